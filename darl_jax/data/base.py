@@ -1,0 +1,131 @@
+"""The `DataSource` interface and helpers shared by all sources.
+
+Batch-size convention (train and eval alike): ``batch_size`` is the GLOBAL
+batch size; each of ``process_count`` processes yields local batches of
+``batch_size // process_count`` rows, and the trainer assembles the global
+array from the local pieces (process ``p`` holds rows ``[p * b, (p + 1) * b)``
+of the global batch).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+SPLITS = ("train", "validation", "test")
+AUGMENTS = ("none", "spatial")
+
+
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+  """`config.key` for a ConfigDict / any attribute object; default if absent
+  or None (so a ConfigDict placeholder set to None also means "default")."""
+  if isinstance(config, dict):
+    value = config.get(key, default)
+  else:
+    value = getattr(config, key, default)
+  return default if value is None else value
+
+
+def local_batch_size(batch_size: int, process_count: int) -> int:
+  """Per-process rows of a global batch; ValueError unless it divides."""
+  if batch_size <= 0:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  if process_count <= 0 or batch_size % process_count:
+    raise ValueError(
+        f"batch_size {batch_size} is not divisible by process_count "
+        f"{process_count}: every process must get the same number of rows")
+  return batch_size // process_count
+
+
+def check_process(process_index: int, process_count: int) -> None:
+  if not 0 <= process_index < process_count:
+    raise ValueError(
+        f"process_index {process_index} not in [0, {process_count})")
+
+
+def process_range(num: int, process_index: int,
+                  process_count: int) -> tuple[int, int]:
+  """Contiguous [lo, hi) slice of ``num`` examples for one process.
+
+  The first ``num % process_count`` processes get one extra example (the same
+  rule as ``tfds.even_splits(drop_remainder=False)``), so the slices of all
+  processes tile ``[0, num)`` exactly.
+  """
+  base, extra = divmod(num, process_count)
+  lo = process_index * base + min(process_index, extra)
+  hi = lo + base + (1 if process_index < extra else 0)
+  return lo, hi
+
+
+def num_eval_batches(num: int, local_batch: int, process_count: int) -> int:
+  """Eval batches per process: equal on all processes (the largest slice
+  decides), because multi-host steps are collective and every process must
+  take part in each one; shorter slices are padded with masked rows."""
+  return math.ceil(math.ceil(num / process_count) / local_batch)
+
+
+def pad_batch(batch: Batch, size: int, image_shape) -> Batch:
+  """Pads an eval batch to ``size`` rows; adds ``mask`` (False on padding).
+
+  Padding images are zeros (mid-grey in [-1, 1]) and labels 0.
+  """
+  n = 0 if batch is None else len(batch["label"])
+  if n > size:
+    raise ValueError(f"batch of {n} rows exceeds the padded size {size}")
+  image = np.zeros((size, *image_shape), np.float32)
+  label = np.zeros((size,), np.int32)
+  mask = np.zeros((size,), bool)
+  if n:
+    image[:n] = batch["image"]
+    label[:n] = batch["label"]
+    mask[:n] = True
+  return {"image": image, "label": label, "mask": mask}
+
+
+class DataSource(abc.ABC):
+  """One split of a dataset, able to produce host batches.
+
+  Attributes:
+    image_shape: (H, W, C) of every batch's images.
+    num_classes: number of labels, or 0 for unlabeled data (labels are 0).
+    num_examples: examples in this split (all processes together).
+  """
+
+  image_shape: tuple[int, int, int]
+  num_classes: int
+  num_examples: int
+
+  @abc.abstractmethod
+  def train_batches(self, batch_size: int, start_step: int = 0,
+                    process_index: int = 0,
+                    process_count: int = 1) -> Iterator[Batch]:
+    """Infinite shuffled (and, per config, augmented) local batches.
+
+    Yields {"image": float32 [b, H, W, C] in [-1, 1], "label": int32 [b]},
+    b = batch_size // process_count. The batch for global step s depends only
+    on (seed, s, batch_size, process_index, process_count): starting at
+    ``start_step = s`` yields exactly the batches that a run started at 0
+    yields from its step s on. A checkpoint therefore only needs the step.
+    """
+
+  @abc.abstractmethod
+  def eval_batches(self, batch_size: int, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[Batch]:
+    """One deterministic, unaugmented pass over the split.
+
+    Yields {"image", "label", "mask": bool [b]} local batches of
+    b = batch_size // process_count rows. Process p reads the contiguous
+    slice `process_range(num_examples, p, P)`; all processes yield the same
+    number of batches, padding rows have mask False, so every example is
+    counted exactly once over all processes.
+    """
+
+  def __repr__(self) -> str:
+    return (f"{type(self).__name__}(image_shape={self.image_shape}, "
+            f"num_classes={self.num_classes}, "
+            f"num_examples={self.num_examples})")

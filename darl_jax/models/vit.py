@@ -1,0 +1,244 @@
+"""The ViT backbone: pre-LN blocks, a learned SOS token, causal or full attention."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from darl_jax.models import attention as attention_lib
+from darl_jax.models import posenc as posenc_lib
+
+DENSE_INIT = nn.initializers.xavier_uniform()
+LN_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  width: int
+  depth: int
+  num_heads: int
+  mlp_dim: int
+
+
+# Standard ViT sizes (Dosovitskiy et al.; Zhai et al. for M and g). Depth and
+# width set the parameter count; the patch size is the "/p" suffix.
+VARIANTS = {
+    "mu": Variant(64, 2, 2, 256),      # a micro model for unit tests
+    "Ti": Variant(192, 12, 3, 768),
+    "S": Variant(384, 12, 6, 1536),
+    "M": Variant(512, 12, 8, 2048),
+    "B": Variant(768, 12, 12, 3072),
+    "L": Variant(1024, 24, 16, 4096),
+    "H": Variant(1280, 32, 16, 5120),
+    "g": Variant(1408, 40, 16, 6144),
+}
+
+
+def parse_variant(name: str) -> tuple[Variant, int]:
+  """``"L/16"`` -> (Variant, 16). Fails early with the valid names."""
+  m = re.fullmatch(r"(\w+)/(\d+)", name or "")
+  if not m or m.group(1) not in VARIANTS:
+    raise ValueError(
+        f"unknown model variant {name!r}; use '<size>/<patch>' with size one of "
+        f"{', '.join(VARIANTS)} (e.g. 'L/16', 'Ti/4')")
+  return VARIANTS[m.group(1)], int(m.group(2))
+
+
+class DropPath(nn.Module):
+  """Stochastic depth: drops the whole residual branch per example."""
+  rate: float
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    if deterministic or self.rate == 0.0:
+      return x
+    keep = 1.0 - self.rate
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    mask = jax.random.bernoulli(self.make_rng("dropout"), keep, shape)
+    return jnp.where(mask, x / keep, 0).astype(x.dtype)
+
+
+class Mlp(nn.Module):
+  hidden: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    width = x.shape[-1]
+    h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
+    # Exact (erf) GELU as in the standard ViT, so exported weights behave the same.
+    h = nn.gelu(h, approximate=False)
+    return nn.Dense(width, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc2")(h)
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm Transformer block: x + attn(LN(x)); x + mlp(LN(x))."""
+  num_heads: int
+  mlp_dim: int
+  causal: bool = True
+  attention_impl: str = "xla"
+  drop_path: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
+    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)
+    y = attention_lib.MultiHeadAttention(
+        self.num_heads, causal=self.causal, impl=self.attention_impl,
+        dtype=self.dtype, name="attn")(y, rope, mask)
+    x = x + DropPath(self.drop_path)(y, deterministic)
+    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
+    y = Mlp(self.mlp_dim, dtype=self.dtype, name="mlp")(y)
+    return x + DropPath(self.drop_path)(y, deterministic)
+
+
+class ScanBlock(nn.Module):
+  """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants."""
+  block_kwargs: dict
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, rope):
+    x = Block(**self.block_kwargs, name="block")(x, rope, None, self.deterministic)
+    return x, x
+
+
+class ViT(nn.Module):
+  """Causal (or full-attention) ViT over a sequence of patch tokens.
+
+  Call with ordered patches ``[B, T, P]`` and their integer grid positions
+  ``rows``/``cols`` and 1D ``index`` (``[B or 1, T]``; index = position in the
+  ordering + 1, so index 0 is the SOS slot). ``prepend_sos`` puts the learned
+  start-of-sequence token in front (T + 1 outputs).
+
+  Returns a dict: ``features`` (final LayerNorm output, ``[B, T', D]``) and
+  ``block_XX`` (each block's residual-stream output, for per-layer probes).
+  """
+  width: int
+  depth: int
+  num_heads: int
+  mlp_dim: int
+  posenc: str = "rope2d"
+  reference_grid: tuple[int, int] = (14, 14)
+  rope_max_wavelength: float = 10_000.0
+  causal: bool = True
+  attention_impl: str = "xla"
+  drop_path: float = 0.0
+  dtype: Any = jnp.float32
+  scan_layers: bool = False
+  remat: str = "none"   # none | full | save_dots
+
+  def _block_kwargs(self, i: int) -> dict:
+    rate = self.drop_path * i / max(self.depth - 1, 1)  # linearly increasing
+    return dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, causal=self.causal,
+                attention_impl=self.attention_impl, drop_path=rate, dtype=self.dtype)
+
+  @nn.compact
+  def __call__(self, patches, rows, cols, index, grid_hw, *, prepend_sos: bool = True,
+               train: bool = False):
+    posenc_lib.check_posenc(self.posenc)
+    b = patches.shape[0]
+    x = nn.Dense(self.width, dtype=self.dtype, kernel_init=DENSE_INIT,
+                 name="patch_embed")(patches)
+    sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
+    frows = jnp.asarray(rows, jnp.float32) * sy
+    fcols = jnp.asarray(cols, jnp.float32) * sx
+    findex = jnp.asarray(index, jnp.float32)
+    if self.posenc == "sincos2d":
+      x = x + posenc_lib.sincos_2d(frows, fcols, self.width).astype(x.dtype)
+    elif self.posenc == "learned":
+      x = x + posenc_lib.LearnedPosEmbedding(
+          tuple(self.reference_grid), self.width, name="pos_embed")(
+              rows, cols, grid_hw).astype(x.dtype)
+    if prepend_sos:
+      sos = self.param("sos", nn.initializers.normal(0.02), (self.width,), jnp.float32)
+      x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype), (b, 1, self.width)), x], 1)
+      lead = frows.shape[:-1] + (1,)
+      frows = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), frows], -1)
+      fcols = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), fcols], -1)
+      findex = jnp.concatenate([jnp.zeros(lead), findex], -1)
+    rope = None
+    if self.posenc in posenc_lib.ROTARY:
+      angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
+                                      self.rope_max_wavelength, findex, frows, fcols)
+      angles = jnp.broadcast_to(angles, (b,) + angles.shape[-2:]) if angles.ndim == 2 else angles
+      rope = posenc_lib.rope_cos_sin(angles)
+
+    out = {}
+    block_cls = Block
+    if self.remat != "none":
+      policy = {"full": None,
+                "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+      if self.remat not in policy:
+        raise ValueError(f"unknown remat {self.remat!r}; valid: none, {', '.join(policy)}")
+      block_cls = nn.remat(Block, policy=policy[self.remat], static_argnums=(4,))
+    if self.scan_layers:
+      if self.drop_path:
+        raise ValueError("scan_layers needs drop_path == 0 (per-layer rates differ); "
+                         "set model.scan_layers=False to use drop path")
+      scan_cls = ScanBlock if self.remat == "none" else nn.remat(
+          ScanBlock, policy=policy[self.remat])
+      stack = nn.scan(scan_cls, variable_axes={"params": 0},
+                      split_rngs={"params": True, "dropout": True},
+                      in_axes=nn.broadcast, length=self.depth)
+      x, ys = stack(self._block_kwargs(0), not train, name="blocks")(x, rope)
+      for i in range(self.depth):
+        out[f"block_{i:02d}"] = ys[i]
+    else:
+      for i in range(self.depth):
+        x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(
+            x, rope, None, not train)
+        out[f"block_{i:02d}"] = x
+    out["features"] = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm")(x)
+    return out
+
+
+def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
+                    dtype=None) -> tuple[ViT, int]:
+  """Builds the backbone from ``config.model``; returns (module, patch_size).
+
+  ``model_cfg`` keys: variant ("L/16"), optional width/depth/num_heads/mlp_dim
+  overrides, image_size, reference_image_size (the resolution positions were
+  trained at; defaults to image_size), posenc, rope_max_wavelength, causal,
+  attention_impl, dtype, drop_path, scan_layers, remat.
+  """
+  variant, patch = parse_variant(model_cfg.variant)
+  get = lambda k, d=None: model_cfg.get(k, d) if hasattr(model_cfg, "get") else getattr(model_cfg, k, d)
+  size = image_size or get("image_size")
+  ref = get("reference_image_size") or get("image_size")
+  for s in (size, ref):
+    if s % patch:
+      raise ValueError(f"image size {s} is not divisible by patch size {patch}; choose "
+                       f"an image_size that is a multiple of {patch}")
+  attention_lib.check_attention_impl(get("attention_impl", "xla"))
+  module = ViT(
+      width=get("width") or variant.width,
+      depth=get("depth") or variant.depth,
+      num_heads=get("num_heads") or variant.num_heads,
+      mlp_dim=get("mlp_dim") or variant.mlp_dim,
+      posenc=posenc_lib.check_posenc(get("posenc", "rope2d")),
+      reference_grid=(ref // patch, ref // patch),
+      rope_max_wavelength=get("rope_max_wavelength", 10_000.0),
+      causal=get("causal", True) if causal is None else causal,
+      attention_impl=get("attention_impl", "xla"),
+      drop_path=get("drop_path", 0.0),
+      dtype=dtype_from_name(dtype or get("dtype", "float32")),
+      scan_layers=get("scan_layers", False),
+      remat=get("remat", "none"))
+  return module, patch
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_from_name(name):
+  if not isinstance(name, str):
+    return name
+  if name not in DTYPES:
+    raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+  return DTYPES[name]
