@@ -90,7 +90,7 @@ class DARL(nn.Module):
     return target, out
 
   def __call__(self, images, *, train: bool, perm=None, eval_gammas=None):
-    """Loss and metrics for a batch.
+    """Loss and metrics for a batch (``per_example_loss [B]`` among the metrics).
 
     ``eval_gammas`` (a fixed 1D grid) replaces the random gamma draws for a
     comparable validation loss: every patch is scored at every grid value with
@@ -105,7 +105,7 @@ class DARL(nn.Module):
       pred = self.decoder(z)
       err = jnp.mean(jnp.square(pred - target.reshape(b * n, p)), -1)
       loss = jnp.mean(err)
-      return loss, {"loss": loss}
+      return loss, {"loss": loss, "per_example_loss": err.reshape(b, n).mean(1)}
     return self._diffusion_loss(z, target, eval_gammas)
 
   def _diffusion_loss(self, z, target, eval_gammas):
@@ -129,7 +129,7 @@ class DARL(nn.Module):
     goal = x0 if self.predict == "x0" else eps
     err = jnp.mean(jnp.square(pred - goal), -1)          # [b*n, k]
     loss = jnp.mean(err)
-    metrics = {"loss": loss}
+    metrics = {"loss": loss, "per_example_loss": err.reshape(b, n * k).mean(1)}
     sums, counts = diffusion.gamma_bin_stats(err.reshape(-1), gamma.reshape(-1),
                                              self.gamma_bins)
     for i in range(self.gamma_bins):

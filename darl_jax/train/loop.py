@@ -1,0 +1,311 @@
+"""The one shared train loop. Trainers own only their model, loss and predictions.
+
+Phases, top to bottom: workdir and writers -> mesh -> data -> model and
+optimizer -> sharded state (built under jit from ``jax.eval_shape``, never on
+the host) -> resume -> jitted step -> loop (log, evaluate, checkpoint) ->
+trainer artifacts.
+
+State is a dict ``{step, params, opt_state, model_state, bad_step}``:
+``model_state`` holds non-trained collections (e.g. BatchNorm statistics),
+``bad_step`` the first step whose loss or gradient was non-finite (-1 if none).
+A non-finite step leaves the state untouched, so no NaN can reach a checkpoint;
+the loop then stops with the step and the metric named (or, with
+``skip_nonfinite``, counts the skipped steps and goes on).
+
+Randomness is ``fold_in(PRNGKey(seed), step)`` and the data for step ``s`` is a
+function of ``(seed, s)`` alone, so a resumed run replays exactly the losses of
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from etils import epath
+
+from darl_jax import checkpoint as checkpoint_lib
+from darl_jax import config_lib
+from darl_jax import data as data_lib
+from darl_jax import metrics as metrics_lib
+from darl_jax import optim
+from darl_jax import sharding as sharding_lib
+
+
+class NonFiniteError(RuntimeError):
+  """Raised when a step's loss or gradient norm is NaN or infinite."""
+
+
+@dataclasses.dataclass
+class Context:
+  """What the loop hands to a trainer's hooks."""
+  config: Any
+  workdir: epath.Path
+  mesh: jax.sharding.Mesh
+  train_source: Any
+  eval_source: Any
+  writer: metrics_lib.MetricWriter
+  total_steps: int
+
+
+class Trainer:
+  """Base class of the trainers. Override the hooks; the loop does the rest."""
+
+  def __init__(self, config):
+    self.config = config
+
+  def build_model(self, ctx: Context):
+    raise NotImplementedError
+
+  def init_variables(self, model, rng, batch) -> dict:
+    """Variables dict with at least ``params`` (other collections = model_state)."""
+    raise NotImplementedError
+
+  def loss_fn(self, model, params, model_state, batch, rng, train: bool):
+    """-> (loss, (metrics dict, new model_state)). Scalar metrics are logged."""
+    raise NotImplementedError
+
+  def eval_fn(self, model, params, model_state, batch, rng) -> dict:
+    """-> dict of per-example arrays ``[b]``; the loop averages them over valid rows."""
+    raise NotImplementedError
+
+  def load_pretrained(self, ctx: Context, params):
+    """Hook for transfer learning: return params with pretrained parts swapped in."""
+    return params
+
+  def finalize(self, ctx: Context, model, state) -> None:
+    """Artifacts after training (pictures, reports)."""
+
+
+def _prefetch(it: Iterator, size: int = 2) -> Iterator:
+  """Runs the host pipeline one or two batches ahead in a thread."""
+  q: queue.Queue = queue.Queue(maxsize=size)
+  sentinel = object()
+
+  def work():
+    try:
+      for item in it:
+        q.put(item)
+    except BaseException as e:  # surfaced in the consumer
+      q.put(e)
+    q.put(sentinel)
+
+  threading.Thread(target=work, daemon=True).start()
+  while True:
+    item = q.get()
+    if item is sentinel:
+      return
+    if isinstance(item, BaseException):
+      raise item
+    yield item
+
+
+def to_global(batch: dict, sharding) -> dict:
+  """Process-local numpy batch -> global jax.Arrays laid out on the mesh."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def _mean_metrics(history: list[dict]) -> dict:
+  fetched = jax.device_get(history)
+  out = {}
+  for k in fetched[0]:
+    vals = np.asarray([m[k] for m in fetched], np.float64)
+    if vals.ndim != 1:
+      continue
+    with np.errstate(all="ignore"):
+      out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float(vals[-1])
+  return out
+
+
+def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> dict:
+  """Averages the trainer's per-example metrics over one pass of the eval split."""
+  sums, count = {}, 0.0
+  max_batches = config.get("eval_max_batches", 0)
+  batches = eval_source.eval_batches(config.eval_batch_size or config.batch_size,
+                                     jax.process_index(), jax.process_count())
+  for i, batch in enumerate(batches):
+    if max_batches and i >= max_batches:
+      break
+    batch = to_global(batch, sharding)
+    out = eval_fn(state["params"], state["model_state"], batch)
+    for k, v in out.items():
+      sums[k] = sums.get(k, 0.0) + v
+    count += jnp.sum(batch["mask"])
+  count = float(count)
+  return {k: float(v) / max(count, 1.0) for k, v in sums.items()}
+
+
+def run(trainer: Trainer, config, workdir: str) -> dict:
+  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
+  # ------------------------------------------------------------------ workdir
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  is_main = jax.process_index() == 0
+  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main)
+  writer.write_config(config.to_dict())
+
+  # ------------------------------------------------------------ mesh and data
+  mesh = sharding_lib.make_mesh(config.mesh)
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"batch_size {config.batch_size} must be divisible by the number "
+                     f"of processes ({jax.process_count()})")
+  if config.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
+    raise ValueError(f"batch_size {config.batch_size} must be divisible by the data x fsdp "
+                     f"mesh size {mesh.shape['data'] * mesh.shape['fsdp']}")
+  train_source = data_lib.build_source(config.data, split=config.data.train_split,
+                                       seed=config.seed)
+  eval_source = data_lib.build_source(config.data, split=config.data.eval_split,
+                                      seed=config.seed)
+  steps_per_epoch = max(train_source.num_examples // config.batch_size, 1)
+  total_steps = config_lib.resolve_total_steps(config, steps_per_epoch)
+  ctx = Context(config, workdir, mesh, train_source, eval_source, writer, total_steps)
+
+  # ---------------------------------------------------- model and optimizer
+  model = trainer.build_model(ctx)
+  base_rng = jax.random.PRNGKey(config.seed)
+  h, w, c = train_source.image_shape
+  init_batch = {"image": jnp.zeros((1, h, w, c), jnp.float32),
+                "label": jnp.zeros((1,), jnp.int32)}
+
+  def init_params_fn(rng):
+    return trainer.init_variables(model, rng, init_batch)
+
+  abstract_vars = jax.eval_shape(init_params_fn, base_rng)
+  tx, schedule = optim.make_optimizer(config.optim, abstract_vars["params"],
+                                      total_steps=total_steps,
+                                      steps_per_epoch=steps_per_epoch,
+                                      batch_size=config.batch_size)
+
+  def init_state(rng):
+    variables = dict(init_params_fn(rng))
+    params = variables.pop("params")
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": tx.init(params), "model_state": variables,
+            "bad_step": jnp.full((), -1, jnp.int32)}
+
+  # ----------------------------------------------------------- sharded state
+  abstract_state = jax.eval_shape(init_state, base_rng)
+  rules = sharding_lib.check_rules(config.get("sharding", "replicated"))
+  state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
+  abstract_state = jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_state, state_shardings)
+
+  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"),
+                                     max_to_keep=config.get("keep_checkpoints", 3))
+  start_step = ckpt.latest_step()
+  if start_step is not None:
+    config_lib.check_resume_compatible(ckpt.restore_meta(start_step), config)
+    state, _ = ckpt.restore(start_step, abstract_state)
+    logging.info("resumed from %s at step %d", ckpt.directory, start_step)
+  else:
+    state = jax.jit(init_state, out_shardings=state_shardings)(
+        jax.random.fold_in(base_rng, -1 % (2**31)))
+    params = trainer.load_pretrained(ctx, state["params"])
+    state["params"] = jax.device_put(params, state_shardings["params"])
+    start_step = 0
+
+  # --------------------------------------------------------------- the step
+  def train_step(state, batch):
+    rng = jax.random.fold_in(base_rng, state["step"])
+
+    def loss_of(params):
+      return trainer.loss_fn(model, params, state["model_state"], batch, rng, True)
+
+    (loss, (metrics, model_state)), grads = jax.value_and_grad(
+        loss_of, has_aux=True)(state["params"])
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree_util.tree_map(
+        lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "step": state["step"] + 1,
+        "params": keep(params, state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "model_state": keep(model_state, state["model_state"]),
+        "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"],
+                              state["bad_step"]),
+    }
+    metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+    metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state["step"]),
+                   param_norm=optax.tree.norm(state["params"]),
+                   nonfinite=(~finite).astype(jnp.float32))
+    return new_state, metrics
+
+  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, None), donate_argnums=(0,))
+
+  def eval_step(params, model_state, batch):
+    rng = jax.random.fold_in(base_rng, 2**31 - 2)  # fixed noise: comparable numbers
+    out = trainer.eval_fn(model, params, model_state, batch, rng)
+    mask = batch["mask"].astype(jnp.float32)
+    return {k: jnp.sum(v * mask) for k, v in out.items()}
+
+  eval_step = jax.jit(eval_step)
+
+  def check_finite(state, where: str):
+    bad = int(jax.device_get(state["bad_step"]))
+    if bad >= 0 and not config.get("skip_nonfinite", False):
+      raise NonFiniteError(
+          f"non-finite loss or gradient norm at step {bad} (seen {where}); the state was "
+          f"not updated by that step and no NaN was checkpointed. Lower optim.base_lr, "
+          f"set optim.grad_clip_norm, or set skip_nonfinite=True to skip such steps")
+
+  def save(state, step):
+    check_finite(state, f"before the checkpoint at step {step}")
+    ckpt.save(step, state, config_lib.checkpoint_meta(config, step))
+
+  # ---------------------------------------------------------------- the loop
+  batches = _prefetch(train_source.train_batches(
+      config.batch_size, start_step=start_step, process_index=jax.process_index(),
+      process_count=jax.process_count()))
+  progress = metrics_lib.Progress(total_steps, config.batch_size, start_step=start_step)
+  history, last = [], {}
+  logging.info("training %s from step %d to %d (%d steps/epoch)", type(trainer).__name__,
+               start_step, total_steps, steps_per_epoch)
+  # stop_after_steps > 0 ends this process early (with a checkpoint), e.g. to
+  # fit a job into a preemptible time slice; rerunning continues the run.
+  stop_at = total_steps
+  if config.get("stop_after_steps", 0) > 0:
+    stop_at = min(total_steps, start_step + config.stop_after_steps)
+  step = start_step
+  for step in range(start_step + 1, stop_at + 1):
+    batch = to_global(next(batches), batch_sharding)
+    state, metrics = train_step(state, batch)
+    history.append(metrics)
+    if step % config.log_every_steps == 0 or step == total_steps:
+      last = _mean_metrics(history)
+      history = []
+      check_finite(state, f"at the log of step {step}")
+      shown = {k: last[k] for k in ("loss", "learning_rate", "grad_norm") if k in last}
+      last.update(progress.update(step, shown))
+      writer.write_scalars(step, last)
+    if config.eval_every_steps and (step % config.eval_every_steps == 0
+                                    or step == total_steps):
+      scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
+                        config)
+      writer.write_scalars(step, {f"val_{k}": v for k, v in scores.items()})
+      logging.info("step %d eval: %s", step, scores)
+      last.update({f"val_{k}": v for k, v in scores.items()})
+    if step % config.checkpoint_every_steps == 0 or step in (total_steps, stop_at):
+      save(state, step)
+
+  ckpt.wait()
+  if stop_at == total_steps:
+    trainer.finalize(ctx, model, state)
+  ckpt.close()
+  writer.close()
+  return last
