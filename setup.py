@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "pillow>=10",
     "matplotlib>=3.8",
     "etils[epath]>=1.7",
+    "safetensors>=0.4",   # darl_jax.export writes numpy arrays, no torch needed
 ]
 
 EXTRAS = {
@@ -24,7 +25,7 @@ EXTRAS = {
     # and TPU code never needs TensorFlow.
     "tfds": ["tensorflow-cpu>=2.16,<2.22", "tensorflow-datasets>=4.9.6,<4.10",
              "tensorboard>=2.16", "importlib_resources>=6"],
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "scikit-learn>=1.3"],
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "scikit-learn>=1.3", "torch>=2.1"],
     "launch": ["xmanager>=0.5"],
 }
 

@@ -13,6 +13,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from darl_jax import distributed  # defines --distributed, --coordinator, ...
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -21,7 +23,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 def trainers():
   """name -> Trainer class. Imported here so a typo fails before any work."""
   from darl_jax.train import pretrain
-  return {"pretrain": pretrain.PretrainTrainer}
+  from darl_jax.train import sample
+  from darl_jax.train import finetune, linear_probe, supervised
+  return {"pretrain": pretrain.PretrainTrainer, "sample": sample.SampleTrainer,
+          "finetune": finetune.FinetuneTrainer,
+          "linear_probe": linear_probe.LinearProbeTrainer,
+          "supervised": supervised.SupervisedTrainer}
 
 
 def get_trainer(name: str):
@@ -52,6 +59,12 @@ def main(argv):
   # Keep TensorFlow (used only by the TFDS input pipeline) off the accelerators.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   _quiet_library_logs()
+  try:
+    # Multi-host jobs connect here, before anything touches a device.
+    distributed.initialize()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
   from darl_jax.train import loop
   config = _CONFIG.value
   try:

@@ -63,3 +63,64 @@ class MultiHeadAttention(nn.Module):
     out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
                            kernel_init=OUT_INIT, name="out")(out)
+
+
+class CachedMultiHeadAttention(nn.Module):
+  """Key/value-cached twin of :class:`MultiHeadAttention` for decoding.
+
+  It creates the same submodules with the same names (``qkv``, ``out``), so it
+  runs on the parameters the training path learned. Each call takes the next
+  ``T`` tokens of the sequence, ``x [B, T, D]`` with their RoPE tables
+  ``[B or 1, T, head_dim / 2]``, writes their keys and values into the
+  ``cache`` collection at ``cache_index`` and lets every new token attend to
+  all cached tokens at or before its own position (causal). Prefilling a
+  prefix is one call with ``T = len(prefix)``; decoding is one call per token.
+
+  Cache variables (created, zero-filled, by the first call under
+  ``apply(..., mutable=["cache"])``): ``cached_key`` and ``cached_value``
+  ``[B, cache_len, H, head_dim]`` in the compute dtype (keys after RoPE), and
+  ``cache_index`` (int32 scalar, the number of tokens written so far). Writing
+  past ``cache_len`` is not checked inside jit (``dynamic_update_slice`` would
+  clamp); callers size the cache for the whole sequence.
+
+  Attention always uses the ``xla`` implementation: with one query against a
+  masked cache there is nothing for the fused training kernel to win, and the
+  cuDNN kernel's even-length rule would not hold.
+  """
+  num_heads: int
+  cache_len: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array,
+               rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    b, t, width = x.shape
+    if width % self.num_heads:
+      raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
+    if t > self.cache_len:
+      raise ValueError(f"{t} new tokens do not fit a cache of {self.cache_len}")
+    head_dim = width // self.num_heads
+    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype,
+                          kernel_init=QKV_INIT, name="qkv")(x)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if rope is not None:
+      q = posenc_lib.apply_rope(q, *rope)
+      k = posenc_lib.apply_rope(k, *rope)
+    shape = (b, self.cache_len, self.num_heads, head_dim)
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+    cache_index = self.variable("cache", "cache_index",
+                                lambda: jnp.zeros((), jnp.int32))
+    start = cache_index.value
+    keys = jax.lax.dynamic_update_slice(cached_key.value, k, (0, start, 0, 0))
+    values = jax.lax.dynamic_update_slice(cached_value.value, v, (0, start, 0, 0))
+    cached_key.value, cached_value.value = keys, values
+    cache_index.value = start + t
+    # Query i of this chunk sits at sequence position start + i and sees cache
+    # slots 0 .. start + i; slots not yet written are masked out.
+    query_pos = start + jnp.arange(t)
+    mask = jnp.arange(self.cache_len)[None, :] <= query_pos[:, None]     # [T, L]
+    out = dot_product_attention(q, keys, values, causal=False, impl="xla",
+                                mask=mask[None, None])
+    return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
+                           kernel_init=OUT_INIT, name="out")(out)

@@ -242,3 +242,101 @@ def dtype_from_name(name):
   if name not in DTYPES:
     raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
   return DTYPES[name]
+
+
+# ------------------------------------------------------------ cached decoding
+#
+# Autoregressive sampling (darl_jax/sampling.py) runs the backbone one token at
+# a time with a key/value cache. The classes below are a second, inference-only
+# wiring of the same submodules under the same names, so they apply to the
+# training parameters unchanged; the training path above is not touched.
+
+
+class CachedBlock(nn.Module):
+  """``Block`` for decoding: pre-LN, cached attention, no drop path."""
+  num_heads: int
+  mlp_dim: int
+  cache_len: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, rope=None):
+    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)
+    y = attention_lib.CachedMultiHeadAttention(
+        self.num_heads, self.cache_len, dtype=self.dtype, name="attn")(y, rope)
+    x = x + y
+    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
+    return x + Mlp(self.mlp_dim, dtype=self.dtype, name="mlp")(y)
+
+
+class CachedViT(ViT):
+  """The causal ViT run incrementally with a key/value cache.
+
+  Same fields and parameter tree as :class:`ViT` (with ``scan_layers=False``;
+  pass scanned parameters through :func:`unscan_params`), plus ``cache_len``,
+  the number of sequence positions the cache holds (SOS included).
+
+  Call under ``apply(variables, ..., mutable=["cache"])`` with the next ``T``
+  tokens of the sequence: ordered patches ``[B, T, P]`` and their ``rows`` /
+  ``cols`` / ``index`` (``[B or 1, T]``, the same meaning as for ``ViT``).
+  ``prepend_sos`` puts the SOS token in front (the first call of a sequence;
+  ``T = 0`` patches then prefills just SOS). Returns ``{"features":
+  [B, T', D]}``, the final-LayerNorm outputs of the new tokens, equal to the
+  full causal forward pass at those positions.
+  """
+  cache_len: int = 0
+
+  @classmethod
+  def from_vit(cls, vit: ViT, cache_len: int) -> "CachedViT":
+    fields = {f.name: getattr(vit, f.name) for f in dataclasses.fields(ViT)
+              if f.init and f.name not in ("parent", "name")}
+    return cls(**fields, cache_len=cache_len)
+
+  @nn.compact
+  def __call__(self, patches, rows, cols, index, grid_hw, *, prepend_sos: bool = False):
+    posenc_lib.check_posenc(self.posenc)
+    if not self.causal:
+      raise ValueError("cached decoding needs a causal backbone (model.causal=True)")
+    b = patches.shape[0]
+    # Embedding and positions exactly as in ViT.__call__.
+    x = nn.Dense(self.width, dtype=self.dtype, kernel_init=DENSE_INIT,
+                 name="patch_embed")(patches)
+    sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
+    frows = jnp.asarray(rows, jnp.float32) * sy
+    fcols = jnp.asarray(cols, jnp.float32) * sx
+    findex = jnp.asarray(index, jnp.float32)
+    if self.posenc == "sincos2d":
+      x = x + posenc_lib.sincos_2d(frows, fcols, self.width).astype(x.dtype)
+    elif self.posenc == "learned":
+      x = x + posenc_lib.LearnedPosEmbedding(
+          tuple(self.reference_grid), self.width, name="pos_embed")(
+              rows, cols, grid_hw).astype(x.dtype)
+    if prepend_sos:
+      sos = self.param("sos", nn.initializers.normal(0.02), (self.width,), jnp.float32)
+      x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype), (b, 1, self.width)), x], 1)
+      lead = frows.shape[:-1] + (1,)
+      frows = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), frows], -1)
+      fcols = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), fcols], -1)
+      findex = jnp.concatenate([jnp.zeros(lead), findex], -1)
+    rope = None
+    if self.posenc in posenc_lib.ROTARY:
+      angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
+                                      self.rope_max_wavelength, findex, frows, fcols)
+      angles = jnp.broadcast_to(angles, (b,) + angles.shape[-2:]) if angles.ndim == 2 else angles
+      rope = posenc_lib.rope_cos_sin(angles)
+    for i in range(self.depth):
+      x = CachedBlock(self.num_heads, self.mlp_dim, self.cache_len, dtype=self.dtype,
+                      name=f"block_{i:02d}")(x, rope)
+    return {"features": nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm")(x)}
+
+
+def unscan_params(params: dict, depth: int) -> dict:
+  """Backbone parameters of ``scan_layers=True`` (stacked under ``blocks/block``)
+  -> the per-block ``block_XX`` layout; other trees are returned as they are."""
+  if "blocks" not in params:
+    return params
+  out = {k: v for k, v in params.items() if k != "blocks"}
+  stacked = params["blocks"]["block"]
+  for i in range(depth):
+    out[f"block_{i:02d}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
+  return out

@@ -60,6 +60,11 @@ class Context:
 class Trainer:
   """Base class of the trainers. Override the hooks; the loop does the rest."""
 
+  # False for trainers that only use a finished model (train/sample.py): the
+  # loop then builds no data, optimizer, state or checkpoints and calls
+  # build_model and finalize(ctx, model, state=None) only.
+  trains = True
+
   def __init__(self, config):
     self.config = config
 
@@ -81,6 +86,17 @@ class Trainer:
   def load_pretrained(self, ctx: Context, params):
     """Hook for transfer learning: return params with pretrained parts swapped in."""
     return params
+
+  def make_source(self, config, split: str, *, train: bool):
+    """The data source of ``split`` (``train``: the training split). Override to
+    wrap it (e.g. RandAugment) or to read a dataset the registry does not know."""
+    del train
+    return data_lib.build_source(config.data, split=split, seed=config.seed)
+
+  def extra_eval(self, ctx: Context, model, state) -> dict:
+    """Whole-split evaluators beyond the per-example ``eval_fn`` (e.g. a probe
+    fitted on features): ``{name: float}``, logged as ``val_<name>``."""
+    return {}
 
   def finalize(self, ctx: Context, model, state) -> None:
     """Artifacts after training (pictures, reports)."""
@@ -145,78 +161,30 @@ def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> d
   return {k: float(v) / max(count, 1.0) for k, v in sums.items()}
 
 
-def run(trainer: Trainer, config, workdir: str) -> dict:
-  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
-  # ------------------------------------------------------------------ workdir
-  workdir = epath.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  is_main = jax.process_index() == 0
-  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main)
-  writer.write_config(config.to_dict())
+def host_readable(state: dict, mesh) -> dict:
+  """``state`` with ``params`` and ``model_state`` readable on every process.
 
-  # ------------------------------------------------------------ mesh and data
-  mesh = sharding_lib.make_mesh(config.mesh)
-  batch_sharding = sharding_lib.batch_sharding(mesh)
-  if config.batch_size % jax.process_count():
-    raise ValueError(f"batch_size {config.batch_size} must be divisible by the number "
-                     f"of processes ({jax.process_count()})")
-  if config.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
-    raise ValueError(f"batch_size {config.batch_size} must be divisible by the data x fsdp "
-                     f"mesh size {mesh.shape['data'] * mesh.shape['fsdp']}")
-  train_source = data_lib.build_source(config.data, split=config.data.train_split,
-                                       seed=config.seed)
-  eval_source = data_lib.build_source(config.data, split=config.data.eval_split,
-                                      seed=config.seed)
-  steps_per_epoch = max(train_source.num_examples // config.batch_size, 1)
-  total_steps = config_lib.resolve_total_steps(config, steps_per_epoch)
-  ctx = Context(config, workdir, mesh, train_source, eval_source, writer, total_steps)
+  A trainer's ``finalize`` may run on process 0 alone (pictures, reports) and
+  read parameters with ``jax.device_get``, which fails for arrays sharded over
+  other processes' devices (FSDP on several hosts). On multi-process runs the
+  parameters are therefore first replicated onto every device, a collective
+  that all processes run here; single-process runs get ``state`` unchanged.
+  """
+  if jax.process_count() == 1:
+    return state
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  gather = jax.jit(lambda tree: tree, out_shardings=replicated)
+  return {**state, "params": gather(state["params"]),
+          "model_state": gather(state["model_state"])}
 
-  # ---------------------------------------------------- model and optimizer
-  model = trainer.build_model(ctx)
-  base_rng = jax.random.PRNGKey(config.seed)
-  h, w, c = train_source.image_shape
-  init_batch = {"image": jnp.zeros((1, h, w, c), jnp.float32),
-                "label": jnp.zeros((1,), jnp.int32)}
 
-  def init_params_fn(rng):
-    return trainer.init_variables(model, rng, init_batch)
+def make_train_step(trainer: Trainer, model, tx, schedule, base_rng) -> Callable:
+  """The (unjitted) update ``(state, batch) -> (state, metrics)``.
 
-  abstract_vars = jax.eval_shape(init_params_fn, base_rng)
-  tx, schedule = optim.make_optimizer(config.optim, abstract_vars["params"],
-                                      total_steps=total_steps,
-                                      steps_per_epoch=steps_per_epoch,
-                                      batch_size=config.batch_size)
+  A step whose loss or gradient norm is non-finite leaves the state as it was
+  and records its index in ``bad_step``. Shared by the loop and the benchmarks.
+  """
 
-  def init_state(rng):
-    variables = dict(init_params_fn(rng))
-    params = variables.pop("params")
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt_state": tx.init(params), "model_state": variables,
-            "bad_step": jnp.full((), -1, jnp.int32)}
-
-  # ----------------------------------------------------------- sharded state
-  abstract_state = jax.eval_shape(init_state, base_rng)
-  rules = sharding_lib.check_rules(config.get("sharding", "replicated"))
-  state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
-  abstract_state = jax.tree_util.tree_map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract_state, state_shardings)
-
-  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"),
-                                     max_to_keep=config.get("keep_checkpoints", 3))
-  start_step = ckpt.latest_step()
-  if start_step is not None:
-    config_lib.check_resume_compatible(ckpt.restore_meta(start_step), config)
-    state, _ = ckpt.restore(start_step, abstract_state)
-    logging.info("resumed from %s at step %d", ckpt.directory, start_step)
-  else:
-    state = jax.jit(init_state, out_shardings=state_shardings)(
-        jax.random.fold_in(base_rng, -1 % (2**31)))
-    params = trainer.load_pretrained(ctx, state["params"])
-    state["params"] = jax.device_put(params, state_shardings["params"])
-    start_step = 0
-
-  # --------------------------------------------------------------- the step
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
 
@@ -245,6 +213,93 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
                    nonfinite=(~finite).astype(jnp.float32))
     return new_state, metrics
 
+  return train_step
+
+
+def init_state_fn(trainer: Trainer, model, tx, init_batch) -> Callable:
+  """``rng -> state``: parameters, optimizer state, model state, counters."""
+
+  def init_state(rng):
+    variables = dict(trainer.init_variables(model, rng, init_batch))
+    params = variables.pop("params")
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": tx.init(params), "model_state": variables,
+            "bad_step": jnp.full((), -1, jnp.int32)}
+
+  return init_state
+
+
+def run(trainer: Trainer, config, workdir: str) -> dict:
+  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
+  # ------------------------------------------------------------------ workdir
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  is_main = jax.process_index() == 0
+  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main)
+  writer.write_config(config.to_dict())
+
+  # ------------------------------------------------------------ mesh and data
+  mesh = sharding_lib.make_mesh(config.mesh)
+  if not trainer.trains:
+    ctx = Context(config, workdir, mesh, None, None, writer, 0)
+    trainer.finalize(ctx, trainer.build_model(ctx), None)
+    writer.close()
+    return {}
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"batch_size {config.batch_size} must be divisible by the number "
+                     f"of processes ({jax.process_count()})")
+  if config.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
+    raise ValueError(f"batch_size {config.batch_size} must be divisible by the data x fsdp "
+                     f"mesh size {mesh.shape['data'] * mesh.shape['fsdp']}")
+  train_source = trainer.make_source(config, config.data.train_split, train=True)
+  eval_source = trainer.make_source(config, config.data.eval_split, train=False)
+  steps_per_epoch = max(train_source.num_examples // config.batch_size, 1)
+  total_steps = config_lib.resolve_total_steps(config, steps_per_epoch)
+  ctx = Context(config, workdir, mesh, train_source, eval_source, writer, total_steps)
+
+  # ---------------------------------------------------- model and optimizer
+  model = trainer.build_model(ctx)
+  base_rng = jax.random.PRNGKey(config.seed)
+  h, w, c = train_source.image_shape
+  init_batch = {"image": jnp.zeros((1, h, w, c), jnp.float32),
+                "label": jnp.zeros((1,), jnp.int32)}
+
+  def init_params_fn(rng):
+    return trainer.init_variables(model, rng, init_batch)
+
+  abstract_vars = jax.eval_shape(init_params_fn, base_rng)
+  tx, schedule = optim.make_optimizer(config.optim, abstract_vars["params"],
+                                      total_steps=total_steps,
+                                      steps_per_epoch=steps_per_epoch,
+                                      batch_size=config.batch_size)
+
+  init_state = init_state_fn(trainer, model, tx, init_batch)
+
+  # ----------------------------------------------------------- sharded state
+  abstract_state = jax.eval_shape(init_state, base_rng)
+  rules = sharding_lib.check_rules(config.get("sharding", "replicated"))
+  state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
+  abstract_state = jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_state, state_shardings)
+
+  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"),
+                                     max_to_keep=config.get("keep_checkpoints", 3))
+  start_step = ckpt.latest_step()
+  if start_step is not None:
+    config_lib.check_resume_compatible(ckpt.restore_meta(start_step), config)
+    state, _ = ckpt.restore(start_step, abstract_state)
+    logging.info("resumed from %s at step %d", ckpt.directory, start_step)
+  else:
+    state = jax.jit(init_state, out_shardings=state_shardings)(
+        jax.random.fold_in(base_rng, -1 % (2**31)))
+    params = trainer.load_pretrained(ctx, state["params"])
+    state["params"] = jax.device_put(params, state_shardings["params"])
+    start_step = 0
+
+  # --------------------------------------------------------------- the step
+  train_step = make_train_step(trainer, model, tx, schedule, base_rng)
   train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, None), donate_argnums=(0,))
 
@@ -297,6 +352,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
                                     or step == total_steps):
       scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
                         config)
+      scores.update(trainer.extra_eval(ctx, model, state))
       writer.write_scalars(step, {f"val_{k}": v for k, v in scores.items()})
       logging.info("step %d eval: %s", step, scores)
       last.update({f"val_{k}": v for k, v in scores.items()})
@@ -305,7 +361,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
 
   ckpt.wait()
   if stop_at == total_steps:
-    trainer.finalize(ctx, model, state)
+    trainer.finalize(ctx, model, host_readable(state, mesh))
   ckpt.close()
   writer.close()
   return last

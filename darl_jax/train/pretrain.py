@@ -45,6 +45,17 @@ class PretrainTrainer(loop.Trainer):
                              eval_gammas=gammas, rngs={"noise": rng})
     return {"loss": metrics["per_example_loss"]}
 
+  def extra_eval(self, ctx, model, state):
+    """``probe_accuracy``: a ridge probe on frozen features, when ``probe_eval.enabled``."""
+    probe_cfg = self.config.get("probe_eval")
+    if probe_cfg is None or not probe_cfg.get("enabled", False):
+      return {}
+    if getattr(self, "_ridge_probe", None) is None:
+      from darl_jax.train import linear_probe
+      self._ridge_probe = linear_probe.RidgeProbe(
+          self.config, ctx.mesh, lambda p, x: linear_probe.darl_pooled_features(model, p, x))
+    return self._ridge_probe(state["params"])
+
   def finalize(self, ctx, model, state):
     """Writes ``predictions.png``: originals beside teacher-forced predictions."""
     num = self.config.predictions.num_images

@@ -1,0 +1,254 @@
+"""Per-device memory estimate for DARL pretraining, to choose a mesh before a run.
+
+    python -m darl_jax.memory --variant=L/16 --batch_size=4096 \\
+        --mesh=data:8,fsdp:4,tensor:1 --sharding=fsdp
+
+prints one row per variant (default: B/16, L/16, H/14, g/14) with the
+per-device GiB of each part, for the paper's ImageNet pretraining setup
+(224x224, bf16 compute, diffusion decoder of one Transformer block).
+
+What is counted
+---------------
+Parameter shapes come from the real model (``jax.eval_shape`` of its init, so
+nothing is allocated) and each leaf is divided by the number of devices the
+partition rules of ``--sharding`` split it over (``darl_jax/sharding.py``,
+the rules the training loop uses):
+
+* parameters: fp32, 4 bytes per element;
+* gradients: fp32, sharded like the parameters, 4 bytes;
+* Adam moments ``mu`` and ``nu``: fp32, 8 bytes;
+* FSDP gather buffer (fsdp > 1): two blocks' worth of whole fp32 parameters
+  (the block being computed and the next one being gathered).
+
+Activations are what the backward pass keeps, per example and per block of
+width ``D``, MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of
+``a`` bytes (2 for bf16) and tensor-parallel size ``t``::
+
+    block (no remat) = a * T * (4 D + (4 D + 2 F) / t) + attention
+        4 D:   block input, LN1 output, residual after attention, LN2 output
+        4 D/t: rotated q and k, v, attention output (heads split over t)
+        2 F/t: MLP hidden before and after the GELU
+    attention = (4 + a) * (H / t) * T^2   for attention_impl=xla (fp32 softmax
+                probabilities and their compute-dtype copy), 4 * (H / t) * T
+                for cudnn (the flash kernel keeps only the log-sum-exp)
+    block (remat=save_dots) = a * T * (2 D + (3 D + F) / t + D)
+        the block input, q/k/v, both Dense outputs of width D, fc1 output
+    block (remat=full) = a * T * D  (the block input)
+        plus, once, one whole block being recomputed during the backward pass
+
+The patch decoder (not rematerialised) adds ``depth * noise_samples`` blocks of
+its own width over 2 tokens for every patch (attention over 2 tokens is
+negligible). Per device the batch is ``batch_size / (data * fsdp)``.
+Ignored: embeddings, the final LayerNorm, the loss, XLA's temporaries and
+fragmentation (budget 10-20 % headroom), and the input pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import numpy as np
+
+GIB = 2.0 ** 30
+DEFAULT_VARIANTS = ("B/16", "L/16", "H/14", "g/14")
+REMATS = ("none", "save_dots", "full")
+
+
+@dataclasses.dataclass
+class Estimate:
+  """Per-device bytes of one configuration (see the module docstring)."""
+  variant: str
+  num_params: int
+  params: float
+  grads: float
+  adam: float
+  fsdp_buffer: float
+  activations: dict          # remat -> bytes
+  per_device_batch: int
+
+  def state(self) -> float:
+    return self.params + self.grads + self.adam + self.fsdp_buffer
+
+  def total(self, remat: str) -> float:
+    return self.state() + self.activations[remat]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"data:8,fsdp:4,tensor:1"`` -> ``{"data": 8, "fsdp": 4, "tensor": 1}``."""
+  from darl_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  sizes = {a: 1 for a in sharding_lib.MESH_AXES}
+  for item in filter(None, text.split(",")):
+    name, _, value = item.partition(":")
+    if name not in sizes or not value.isdigit() or int(value) < 1:
+      raise ValueError(f"bad mesh entry {item!r}: use axis:size with axis one of "
+                       f"{', '.join(sizes)}, e.g. data:8,fsdp:4,tensor:1")
+    sizes[name] = int(value)
+  return sizes
+
+
+def pretrain_config(variant: str, objective: str = "diffusion", **model):
+  """The paper's ImageNet pretraining config for ``variant``, model keys overridden."""
+  from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.imagenet_pretrain_config(variant, objective)
+  config.model.update(model)
+  return config
+
+
+def abstract_params(config):
+  """``jax.ShapeDtypeStruct`` tree of the DARL model's parameters (nothing allocated)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from darl_jax.models import darl as darl_lib  # pylint: disable=g-import-not-at-top
+  model = darl_lib.darl_from_config(config)
+  size, channels = config.model.image_size, config.model.channels
+  image = jnp.zeros((1, size, size, channels), jnp.float32)
+  init = lambda rng: model.init({"params": rng, "noise": rng}, image, train=False)
+  return jax.eval_shape(init, jax.random.PRNGKey(0))["params"]
+
+
+def _shards(spec, mesh: dict[str, int]) -> int:
+  n = 1
+  for entry in spec:
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      if axis is not None:
+        n *= mesh[axis]
+  return n
+
+
+def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
+                           act_bytes: int, tensor: int, remat: str,
+                           attention_impl: str = "xla") -> float:
+  """Bytes one example keeps for the backward pass of one block (module docstring)."""
+  t, a, d, f = tensor, act_bytes, width, mlp_dim
+  if remat == "full":
+    return a * tokens * d
+  if remat == "save_dots":
+    return a * tokens * (2 * d + (3 * d + f) / t + d)
+  if remat != "none":
+    raise ValueError(f"unknown remat {remat!r}; valid: {', '.join(REMATS)}")
+  if attention_impl == "cudnn":
+    attention = 4 * heads / t * tokens
+  else:
+    attention = (4 + a) * heads / t * tokens ** 2
+  return a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention
+
+
+def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
+             params=None) -> Estimate:
+  """Per-device memory of pretraining ``config`` on ``mesh`` with rules ``sharding``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from darl_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from darl_jax.models import vit as vit_lib  # pylint: disable=g-import-not-at-top
+
+  params = abstract_params(config) if params is None else params
+  rules = sharding_lib.check_rules(sharding)
+  specs = sharding_lib.tree_specs(params, mesh, rules)
+  leaves = jax.tree_util.tree_leaves(params)
+  numels = [int(np.prod(x.shape)) for x in leaves]
+  local = sum(n / _shards(s, mesh) for n, s in zip(numels, jax.tree_util.tree_leaves(specs)))
+
+  batch_shards = mesh["data"] * mesh["fsdp"]
+  if batch_size % batch_shards:
+    raise ValueError(f"batch_size {batch_size} does not divide by data x fsdp = {batch_shards}")
+  per_device = batch_size // batch_shards
+
+  m = config.model
+  variant, patch = vit_lib.parse_variant(m.variant)
+  width = m.get("width") or variant.width
+  depth = m.get("depth") or variant.depth
+  heads = m.get("num_heads") or variant.num_heads
+  mlp_dim = m.get("mlp_dim") or variant.mlp_dim
+  tokens = (m.image_size // patch) ** 2          # [SOS, x_1 .. x_{N-1}]: N tokens
+  act_bytes = 2 if m.get("dtype", "float32") == "bfloat16" else 4
+  kw = dict(act_bytes=act_bytes, tensor=mesh["tensor"],
+            attention_impl=m.get("attention_impl", "xla"))
+
+  dec = config.get("decoder", {})
+  dec_blocks = 0
+  if dec and dec.get("kind") == "transformer":
+    dec_blocks = dec.get("depth", 1) * config.loss.get("noise_samples", 1)
+  dec_width = (dec.get("width", 0) if dec else 0) or width
+  dec_heads = (dec.get("num_heads", 0) if dec else 0) or heads
+  # Every one of the `tokens` patches runs the decoder over a 2-token sequence.
+  decoder = dec_blocks * tokens * block_activation_bytes(
+      tokens=2, width=dec_width, mlp_dim=4 * dec_width, heads=dec_heads, remat="none",
+      **kw)
+
+  activations = {}
+  for remat in REMATS:
+    per_example = depth * block_activation_bytes(
+        tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw)
+    if remat != "none":   # one block recomputed at a time in the backward pass
+      per_example += block_activation_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim,
+                                            heads=heads, remat="none", **kw)
+    activations[remat] = per_device * (per_example + decoder)
+
+  block_params = 4 * width * width + 2 * width * mlp_dim + 9 * width + mlp_dim
+  fsdp_buffer = 2 * 4 * block_params if mesh["fsdp"] > 1 else 0.0
+  return Estimate(variant=m.variant, num_params=sum(numels), params=4 * local,
+                  grads=4 * local, adam=8 * local, fsdp_buffer=fsdp_buffer,
+                  activations=activations, per_device_batch=per_device)
+
+
+def table(estimates: list[Estimate], device_gib: float | None = None) -> str:
+  """Fixed-width text table, GiB per device."""
+  head = ["variant", "params", "param", "grad", "adam", "gather",
+          *(f"act:{r}" for r in REMATS), *(f"total:{r}" for r in REMATS)]
+  rows = []
+  for e in estimates:
+    row = [e.variant, f"{e.num_params / 1e6:.0f}M",
+           *(f"{v / GIB:.2f}" for v in (e.params, e.grads, e.adam, e.fsdp_buffer)),
+           *(f"{e.activations[r] / GIB:.2f}" for r in REMATS)]
+    for r in REMATS:
+      cell = f"{e.total(r) / GIB:.2f}"
+      if device_gib:
+        cell += " ok" if e.total(r) <= 0.85 * device_gib * GIB else " !!"
+      row.append(cell)
+    rows.append(row)
+  widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+  fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))
+  return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(
+      prog="python -m darl_jax.memory",
+      description="Per-device memory estimate (GiB) for DARL pretraining.")
+  parser.add_argument("--variant", default=",".join(DEFAULT_VARIANTS),
+                      help="comma-separated ViT variants, e.g. L/16 or B/16,H/14")
+  parser.add_argument("--batch_size", type=int, default=4096, help="global batch size")
+  parser.add_argument("--mesh", default="data:8,fsdp:4,tensor:1",
+                      help="mesh sizes, axis:size comma-separated")
+  parser.add_argument("--sharding", default="fsdp",
+                      help="partition rules: replicated, fsdp, tensor, fsdp_tensor")
+  parser.add_argument("--image_size", type=int, default=224)
+  parser.add_argument("--objective", default="diffusion", choices=("diffusion", "mse"))
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  parser.add_argument("--attention_impl", default="xla", choices=("xla", "cudnn"))
+  parser.add_argument("--device_gib", type=float, default=None,
+                      help="device memory; marks totals that fit in 85%% of it 'ok'")
+  args = parser.parse_args(argv)
+  mesh = parse_mesh(args.mesh)
+  estimates = []
+  for variant in filter(None, args.variant.split(",")):
+    config = pretrain_config(variant, args.objective, image_size=args.image_size,
+                             dtype=args.dtype, attention_impl=args.attention_impl)
+    estimates.append(estimate(config, mesh, args.sharding, args.batch_size))
+  n = int(np.prod(list(mesh.values())))
+  lines = [f"per-device GiB: batch {args.batch_size} ({estimates[0].per_device_batch} per "
+           f"device), mesh {mesh} ({n} devices), sharding={args.sharding}, "
+           f"{args.image_size}px, {args.dtype} activations, attention={args.attention_impl}",
+           table(estimates, args.device_gib),
+           "act:<remat> = activations with model.remat=<remat>; gather = FSDP all-gather "
+           "buffer; add 10-20% for XLA temporaries (formulas: darl_jax/memory.py)"]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  try:
+    print(main())
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,199 @@
+"""Fine-tuning a pretrained DARL backbone for classification (paper section 4).
+
+    backbone (restored from ``config.init_from``) -> read-out -> linear head
+    loss: soft cross entropy against smoothed, mixup/cutmix-mixed targets
+
+Recipe (appendix "ImageNet Fine-tuning Hyperparameters"; ``finetune_config``):
+full attention by default (``model.causal=False``; the paper's ablation
+"read-out" finds it 1% better than causal), the last token's output as the
+image descriptor (``head.readout="last"``, or ``"mean"``), RandAugment(9, 0.5)
+on the host, mixup 0.8 / cutmix 1.0 (switch 0.5) and label smoothing 0.1 on
+device, AdamW (0.9, 0.95), weight decay 0.05, layer-wise lr decay 0.75,
+cosine with 5 warm-up epochs, optional EMA of the weights.
+
+Learning rate. The table gives "Learning rate 1e-3 (H: 3e-3)" while the
+pretraining and supervised tables say "Base learning rate" with "Learning rate
+scaling: True". We read the fine-tuning value literally, as the peak rate
+(``optim.lr_scaling=False``). MAE's convention would scale it by batch/256;
+``--config.optim.lr_scaling=True`` gives that reading.
+
+EMA. ``ema_decay > 0`` keeps an exponential moving average of the parameters
+in ``model_state["ema"]`` and evaluates with it. It is updated inside the loss
+from the parameters *before* the step's update (the loss is the only place a
+trainer sees parameters during training), i.e. it lags one step, which is
+immaterial at decays of 0.999+. It starts from zeros and is debiased
+(``ema / (1 - decay ** count)``), so it needs no copy of the restored weights
+and starts exactly at them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import logging
+
+from darl_jax import config_lib
+from darl_jax import data as data_lib
+from darl_jax.data import mixup as mixup_lib
+from darl_jax.data import randaugment
+from darl_jax.models import heads
+from darl_jax.models import vit as vit_lib
+from darl_jax.train import loop
+from darl_jax.train import transfer
+
+
+def finetune_config() -> ml_collections.ConfigDict:
+  """``base_config`` plus the fine-tuning keys, at the paper's recipe."""
+  c = config_lib.base_config()
+  c.trainer = "finetune"
+  c.init_from = ""            # pretraining workdir / checkpoint; "" = random init
+  c.init_step = -1            # checkpoint step to restore; -1 = the newest
+  c.data.augment = "spatial"  # random-resized crop + flip on the host
+  c.model.update(causal=False, drop_path=0.0)
+  c.head = ml_collections.ConfigDict({"readout": "last", "sos": True})
+  # num_ops = 0 turns RandAugment off.
+  c.randaugment = ml_collections.ConfigDict({
+      "num_ops": 2, "magnitude": 9.0, "magnitude_std": 0.5, "prob": 0.5})
+  # Both alphas 0 turn mixing off.
+  c.mixup = ml_collections.ConfigDict({
+      "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "switch_prob": 0.5, "prob": 1.0})
+  c.label_smoothing = 0.1
+  c.ema_decay = 0.0           # > 0: evaluate with an EMA of the weights
+  c.optim.update(name="adamw", base_lr=1e-3, lr_scaling=False, b1=0.9, b2=0.95,
+                 weight_decay=0.05, layer_decay=0.75, num_layers=0, warmup_epochs=5.0,
+                 warmup_steps=-1, schedule="cosine")
+  return c
+
+
+def backbone_depth(model_cfg) -> int:
+  variant, _ = vit_lib.parse_variant(model_cfg.variant)
+  return int(model_cfg.get("depth", 0) or variant.depth)
+
+
+def build_source(config, split: str, *, train: bool):
+  """The split's source: VTAB tasks by name (``data.name="vtab"``), the registry
+  otherwise; RandAugment on the training split when ``config.randaugment.num_ops``."""
+  if config.data.name == "vtab":
+    from darl_jax.data import vtab_tasks  # TensorFlow only when asked for
+    source = vtab_tasks.build_source(config.data, split=split, seed=config.seed)
+  else:
+    source = data_lib.build_source(config.data, split=split, seed=config.seed)
+  ra = config.get("randaugment")
+  if train and ra is not None and ra.num_ops > 0:
+    source = randaugment.RandAugmentSource(
+        source, seed=config.seed, num_ops=ra.num_ops, magnitude=ra.magnitude,
+        magnitude_std=ra.magnitude_std, prob=ra.prob)
+  return source
+
+
+def restore_backbone(ctx, config, params):
+  """``params`` with the backbone of ``config.init_from`` swapped in (if set);
+  writes ``init_report.json`` (loaded / dropped / newly initialised)."""
+  init_from = config.get("init_from", "")
+  if not init_from:
+    logging.info("init_from is empty: the backbone starts from random initialisation")
+    return params
+  step = config.get("init_step", -1)
+  merged, report = transfer.restore_into(params, init_from,
+                                         step=None if step is None or step < 0 else step)
+  transfer.write_report(ctx.workdir, report)
+  return merged
+
+
+class FinetuneTrainer(loop.Trainer):
+  """A ``Classifier`` trained with soft targets; restores its backbone from a checkpoint."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    optim_cfg = config.optim
+    if optim_cfg.get("layer_decay") and not optim_cfg.get("num_layers"):
+      # The decay is per backbone block: default the depth from the variant.
+      optim_cfg.num_layers = backbone_depth(config.model)
+
+  # -------------------------------------------------------------- data
+
+  def make_source(self, config, split: str, *, train: bool):
+    return build_source(config, split, train=train)
+
+  # ------------------------------------------------------------- model
+
+  def build_model(self, ctx):
+    cfg = self.config
+    h, w, c = ctx.train_source.image_shape
+    if (h, w, c) != (cfg.model.image_size, cfg.model.image_size, cfg.model.channels):
+      raise ValueError(
+          f"data gives {h}x{w}x{c} images but the model expects {cfg.model.image_size}x"
+          f"{cfg.model.image_size}x{cfg.model.channels}; set data.image_size/channels and "
+          "model.image_size/channels to agree")
+    num_classes = ctx.train_source.num_classes
+    if num_classes <= 1:
+      raise ValueError(f"{cfg.data.name} has no class labels (num_classes={num_classes}); "
+                       "classification needs a labelled dataset")
+    if cfg.head.readout not in heads.READOUTS:
+      raise ValueError(f"unknown head.readout {cfg.head.readout!r}; valid: "
+                       f"{', '.join(heads.READOUTS)}")
+    backbone, patch = vit_lib.vit_from_config(cfg.model)
+    return heads.Classifier(backbone=backbone, patch_size=patch, num_classes=num_classes,
+                            readout=cfg.head.readout, sos=cfg.head.sos)
+
+  def init_variables(self, model, rng, batch):
+    params = model.init({"params": rng}, batch["image"], train=False)["params"]
+    variables = {"params": params}
+    if self.config.get("ema_decay", 0.0) > 0:
+      variables["ema"] = {"params": jax.tree_util.tree_map(jnp.zeros_like, params),
+                          "count": jnp.zeros((), jnp.int32)}
+    return variables
+
+  def load_pretrained(self, ctx, params):
+    return restore_backbone(ctx, self.config, params)
+
+  # -------------------------------------------------------- loss / eval
+
+  def targets(self, labels, num_classes):
+    return mixup_lib.smooth_labels(labels, num_classes, self.config.get("label_smoothing", 0.0))
+
+  def loss_fn(self, model, params, model_state, batch, rng, train):
+    mix_rng, drop_rng = jax.random.split(rng)
+    images = batch["image"]
+    targets = self.targets(batch["label"], model.num_classes)
+    mix = self.config.get("mixup")
+    if train and mix is not None:
+      images, targets, _ = mixup_lib.mix_batch(
+          mix_rng, images, targets, mixup_alpha=mix.mixup_alpha,
+          cutmix_alpha=mix.cutmix_alpha, switch_prob=mix.switch_prob, prob=mix.prob)
+    logits, _ = model.apply({"params": params}, images, train=train,
+                            rngs={"dropout": drop_rng})
+    loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, targets))
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    new_state = self.update_ema(params, model_state) if train else model_state
+    return loss, ({"train_accuracy": accuracy}, new_state)
+
+  def update_ema(self, params, model_state):
+    decay = self.config.get("ema_decay", 0.0)
+    if decay <= 0:
+      return model_state
+    ema = model_state["ema"]
+    new = jax.tree_util.tree_map(
+        lambda e, p: decay * e + (1.0 - decay) * jax.lax.stop_gradient(p).astype(e.dtype),
+        ema["params"], params)
+    return {**model_state, "ema": {"params": new, "count": ema["count"] + 1}}
+
+  def eval_params(self, params, model_state):
+    """The EMA weights (debiased) when enabled and updated at least once, else ``params``."""
+    decay = self.config.get("ema_decay", 0.0)
+    if decay <= 0:
+      return params
+    count = model_state["ema"]["count"]
+    scale = 1.0 / (1.0 - decay ** jnp.maximum(count, 1).astype(jnp.float32))
+    return jax.tree_util.tree_map(lambda e, p: jnp.where(count > 0, e * scale, p),
+                                  model_state["ema"]["params"], params)
+
+  def eval_fn(self, model, params, model_state, batch, rng):
+    del rng
+    logits, _ = model.apply({"params": self.eval_params(params, model_state)},
+                            batch["image"], train=False)
+    labels = batch["label"]
+    loss = mixup_lib.soft_cross_entropy(logits, jax.nn.one_hot(labels, model.num_classes))
+    return {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
+            "loss": loss}

@@ -1,0 +1,216 @@
+"""VTAB-1k: per task, sweep on train800/val200, retrain the best on 1000, test.
+
+Protocol (appendix "VTAB", following Zhai et al.): for each task, fine-tune
+with every point of the sweep on ``train800`` and evaluate on ``val200``; pick
+the best validation accuracy (ties: the first point in sweep order); retrain
+that point on ``train800val200`` and report top-1 on ``test``. Every run is
+an ordinary fine-tuning run (``FinetuneTrainer`` on the shared loop) in its
+own sub-workdir::
+
+    <workdir>/<task>/sweep/<point>/   metrics.jsonl, checkpoints, result.json
+    <workdir>/<task>/final/           the retrain on 1000 examples, tested
+    <workdir>/<task>/result.json      the sweep's scores, the pick, the test accuracy
+    <workdir>/vtab_results.md|json    the table: tasks, group means, mean
+
+A sub-run with a ``result.json`` is finished and is skipped when the command
+is run again; an unfinished one resumes from its newest checkpoint (the
+loop's contract), so the whole suite is resumable at any point.
+
+Fixed recipe (table "Hyperparameters for VTAB Experiments"): label smoothing
+0.1, AdamW (0.9, 0.95), batch 256, cosine, 20000 steps, causal attention.
+The table's "Warm-up epochs 3000" can only be steps (20000 steps of 256 are
+5120 epochs of 1000 examples; 3000 epochs would never end the warm-up), so we
+use 3000 warm-up steps. The sweep: drop path {0, 0.1, 0.2} x augmentation
+{spatial, RandAug(9, 0.5) + mixup 0.8 + cutmix 1.0} x weight decay {0.1,
+0.3} x lr {1e-3, 1e-2, 1e-1} x layer decay {0.7, 0.8, 0.9} = 108 runs per
+task.
+
+Run: ``python -m darl_jax.train.vtab --config=experiments/vtab.py:task=all,init=<dir>
+--workdir=<dir>`` (main.py's trainers are single loops; this driver runs many).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from typing import Callable
+
+import ml_collections
+from absl import app, flags, logging
+from etils import epath
+from ml_collections import config_flags
+
+from darl_jax.data import vtab_tasks
+from darl_jax.train import finetune
+
+PAPER_SWEEP = {
+    "drop_path": [0.0, 0.1, 0.2],
+    "augment": ["spatial", "randaug_mixup"],
+    "weight_decay": [0.1, 0.3],
+    "lr": [1e-3, 1e-2, 1e-1],
+    "layer_decay": [0.7, 0.8, 0.9],
+}
+AUGMENTS = ("spatial", "randaug_mixup")
+
+
+def vtab_config() -> ml_collections.ConfigDict:
+  """``finetune_config`` re-set to the VTAB table, plus ``vtab.{tasks, sweep}``."""
+  c = finetune.finetune_config()
+  c.batch_size = 256
+  c.total_steps = 20_000
+  c.log_every_steps = 100
+  c.eval_every_steps = 0        # the driver evaluates once, at the end of each run
+  c.checkpoint_every_steps = 2000
+  c.keep_checkpoints = 1
+  c.data.update(name="vtab", image_size=224, channels=3, augment="spatial",
+                train_split="train800", eval_split="val200")
+  c.data.vtab_task = "cifar100"
+  c.data.vtab_train_examples = vtab_tasks.TRAIN_EXAMPLES
+  c.data.vtab_val_examples = vtab_tasks.VAL_EXAMPLES
+  c.model.update(causal=True, image_size=224, reference_image_size=224, channels=3)
+  c.label_smoothing = 0.1
+  c.optim.update(name="adamw", b1=0.9, b2=0.95, lr_scaling=False, warmup_steps=3000,
+                 warmup_epochs=0.0, schedule="cosine")
+  c.vtab = ml_collections.ConfigDict({
+      "tasks": "all",                      # "all", or comma-separated task names
+      "sweep": ml_collections.ConfigDict({k: list(v) for k, v in PAPER_SWEEP.items()}),
+  })
+  return c
+
+
+# ------------------------------------------------------------------ sweep
+
+
+def sweep_points(grid) -> list[dict]:
+  """Cartesian product of ``{key: [values]}`` in key order (deterministic)."""
+  keys = list(PAPER_SWEEP)
+  unknown = set(grid.keys()) - set(keys)
+  if unknown:
+    raise ValueError(f"unknown vtab.sweep keys {sorted(unknown)}; valid: {keys}")
+  values = [list(grid[k]) for k in keys]
+  return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def point_name(point: dict) -> str:
+  return (f"dp{point['drop_path']:g}_{point['augment']}_wd{point['weight_decay']:g}"
+          f"_lr{point['lr']:g}_ld{point['layer_decay']:g}")
+
+
+def apply_point(config, point: dict, *, task: str, train_split: str, eval_split: str):
+  """A copy of ``config`` for one run: the task, its splits and the sweep point."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  del c["vtab"]
+  c.data.update(vtab_task=task, train_split=train_split, eval_split=eval_split)
+  c.model.drop_path = float(point["drop_path"])
+  if point["augment"] not in AUGMENTS:
+    raise ValueError(f"unknown VTAB augment {point['augment']!r}; valid: {AUGMENTS}")
+  heavy = point["augment"] == "randaug_mixup"
+  c.data.augment = "spatial"
+  c.randaugment.num_ops = 2 if heavy else 0
+  c.mixup.update(mixup_alpha=0.8 if heavy else 0.0, cutmix_alpha=1.0 if heavy else 0.0)
+  c.optim.update(weight_decay=float(point["weight_decay"]), base_lr=float(point["lr"]),
+                 layer_decay=float(point["layer_decay"]))
+  c.eval_every_steps = c.total_steps       # one evaluation, at the end
+  return c
+
+
+def run_one(config, workdir: epath.Path) -> float:
+  """Trains one fine-tuning run (resumable) -> its final ``val_accuracy``."""
+  from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
+  done = workdir / "result.json"
+  if done.exists():
+    return float(json.loads(done.read_text())["accuracy"])
+  last = loop.run(finetune.FinetuneTrainer(config), config, str(workdir))
+  acc = float(last["val_accuracy"])
+  done.write_text(json.dumps({"accuracy": acc, "eval_split": config.data.eval_split}))
+  return acc
+
+
+def run_task(config, workdir, task: str, runner: Callable = run_one) -> dict:
+  """Sweep, pick, retrain, test one task; writes and returns ``<task>/result.json``."""
+  info = vtab_tasks.get_task(task)
+  root = epath.Path(workdir) / task
+  scores = {}
+  points = sweep_points(config.vtab.sweep)
+  for point in points:
+    name = point_name(point)
+    cfg = apply_point(config, point, task=task, train_split="train800", eval_split="val200")
+    scores[name] = runner(cfg, root / "sweep" / name)
+    logging.info("vtab %s %s: val %.4f", task, name, scores[name])
+  best = max(points, key=lambda p: scores[point_name(p)])   # first of equals wins
+  cfg = apply_point(config, best, task=task, train_split="train800val200",
+                    eval_split="test")
+  test = runner(cfg, root / "final")
+  result = {"task": task, "group": info.group, "val_accuracy": scores,
+            "best": point_name(best), "best_point": best, "test_accuracy": test}
+  root.mkdir(parents=True, exist_ok=True)
+  (root / "result.json").write_text(json.dumps(result, indent=1))
+  logging.info("vtab %s: best %s, test %.4f", task, point_name(best), test)
+  return result
+
+
+def task_names(spec: str) -> list[str]:
+  if spec == "all":
+    return list(vtab_tasks.TASKS)
+  names = [s.strip() for s in spec.split(",") if s.strip()]
+  for n in names:
+    vtab_tasks.get_task(n)
+  return names
+
+
+def results_table(results: list[dict]) -> str:
+  """Markdown: one row per task (group order), group means, the mean over tasks."""
+  by_group = {g: [r for r in results if r["group"] == g] for g in vtab_tasks.GROUPS}
+  lines = ["| group | task | best sweep point | test top-1 (%) |", "|---|---|---|---|"]
+  for group, rows in by_group.items():
+    for r in rows:
+      lines.append(f"| {group} | {r['task']} | {r['best']} | {100 * r['test_accuracy']:.1f} |")
+  lines += ["", "| group | tasks | mean top-1 (%) |", "|---|---|---|"]
+  for group, rows in by_group.items():
+    if rows:
+      mean = 100 * sum(r["test_accuracy"] for r in rows) / len(rows)
+      lines.append(f"| {group} | {len(rows)} | {mean:.1f} |")
+  if results:
+    mean = 100 * sum(r["test_accuracy"] for r in results) / len(results)
+    lines.append(f"| all | {len(results)} | {mean:.1f} |")
+  return "\n".join(lines) + "\n"
+
+
+def run_suite(config, workdir, runner: Callable = run_one) -> list[dict]:
+  """Runs ``config.vtab.tasks``; writes ``vtab_results.md`` and ``.json`` in ``workdir``."""
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  results = []
+  for task in task_names(config.vtab.tasks):
+    results.append(run_task(config, workdir, task, runner))
+    (workdir / "vtab_results.json").write_text(json.dumps(results, indent=1))
+    (workdir / "vtab_results.md").write_text(results_table(results))
+  return results
+
+
+def main(argv, config, workdir):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if config is None or not workdir:
+    raise app.UsageError("--config=experiments/vtab.py:task=... and --workdir are required")
+  try:
+    run_suite(config, workdir)
+  except (ValueError, FileNotFoundError) as e:
+    logging.error("%s", e)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def cli():
+  # Flags are defined here, not at import, so tests and main.py can import
+  # this module without a clash over --config/--workdir.
+  config = config_flags.DEFINE_config_file("config", None, "experiments/vtab.py[:args]",
+                                           lock_config=True)
+  workdir = flags.DEFINE_string("workdir", None, "Root directory of the suite's runs.")
+  logging.set_verbosity(logging.INFO)
+  app.run(lambda argv: main(argv, config.value, workdir.value))
+
+
+if __name__ == "__main__":
+  cli()

@@ -1,0 +1,37 @@
+"""Linear probes on every block of the Fashion-MNIST DARL model (experiments/fashion_mnist_diff.py).
+
+Run (after the pretraining job wrote workdirs/fashion_mnist_diff):
+  python -m darl_jax.main --config=experiments/fashion_mnist_linear_probe.py:init=workdirs/fashion_mnist_diff \
+      --workdir=workdirs/fashion_mnist_linear_probe
+Without ``init`` the probes read a random backbone (the baseline).
+Args: init, steps (default 300).
+
+Recipe: the paper's linear evaluation scaled to CPU minutes: frozen causal
+backbone, mean pooling, BatchNorm without affine, LARS (lr 0.1, momentum
+0.9, no weight decay), label smoothing 0.1, 10% warm-up then cosine, no
+augmentation (28x28 crops would dominate a 300-step run). One probe per
+block; probe_accuracy.json / .png in the workdir.
+
+Expect: see docs/RESULTS.md.
+"""
+
+from darl_jax import config_lib
+from darl_jax.train import linear_probe
+
+
+def get_config(arg=None):
+  args = config_lib.parse_arg(arg, init="", steps=300)
+  c = linear_probe.linear_probe_config()
+  c.init_from = args.init
+  c.total_steps = args.steps
+  c.batch_size = 256
+  c.log_every_steps = 25
+  c.eval_every_steps = max(args.steps // 3, 1)
+  c.checkpoint_every_steps = 500
+  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
+  # Must match experiments/fashion_mnist_diff.py (the checkpoint's architecture).
+  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512, image_size=28,
+                 channels=1, posenc="rope2d", rope_max_wavelength=100.0, causal=True,
+                 drop_path=0.0)
+  c.optim.update(warmup_steps=max(args.steps // 10, 1))
+  return c
