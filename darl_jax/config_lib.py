@@ -50,7 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
       "posenc": "rope2d", "rope_max_wavelength": 10_000.0,
       "causal": True, "attention_impl": "xla", "dtype": "float32",
       "drop_path": 0.0, "scan_layers": False, "remat": "none",
-      "ordering": "raster", "ordering_block": 2})
+      "ordering": "raster", "ordering_block": 2,
+      # XLNet-style query stream (models/two_stream.py); with ordering="random"
+      # every example gets a fresh patch order.
+      "two_stream": False})
 
   c.optim = ml_collections.ConfigDict({
       "name": "adamw", "base_lr": 1.5e-4, "lr_scaling": True, "b1": 0.9, "b2": 0.95,
@@ -71,7 +74,18 @@ def pretrain_config() -> ml_collections.ConfigDict:
       "kind": "mse", "norm_pix": False, "noise_a": 0.03, "noise_b": 1.0,
       "predict": "x0", "noise_samples": 1, "gamma_bins": 10, "eval_gammas": 8})
   c.predictions = ml_collections.ConfigDict({"num_images": 8, "num_steps": 100})
+  c.probe_eval = probe_eval_config()
   return c
+
+
+def probe_eval_config() -> ml_collections.ConfigDict:
+  """``config.probe_eval``: a closed-form ridge probe on frozen mean-pooled
+  features, fitted at every evaluation of a pretraining run and logged as
+  ``val_probe_accuracy`` (train/linear_probe.py). Off by default."""
+  return ml_collections.ConfigDict({
+      "enabled": False, "train_split": "train", "eval_split": "validation",
+      "num_train_examples": 5000, "num_eval_examples": 2000, "l2": 1e-3,
+      "batch_size": 0})
 
 
 def resolve_total_steps(config, steps_per_epoch: int) -> int:

@@ -40,7 +40,14 @@ The patch decoder (not rematerialised) adds ``depth * noise_samples`` blocks of
 its own width over 2 tokens for every patch (attention over 2 tokens is
 negligible). Per device the batch is ``batch_size / (data * fsdp)``.
 Ignored: embeddings, the final LayerNorm, the loss, XLA's temporaries and
-fragmentation (budget 10-20 % headroom), and the input pipeline.
+fragmentation, and the input pipeline.
+
+Checked against XLA's buffer assignment of the real step on one H100 (jax
+0.11, bf16, cudnn attention, diffusion decoder): B/16 at batch 64 needed 7.6
+GiB against 5.4 estimated with remat=none (x1.40) and 2.46 against 2.49 with
+remat=full; L/16 at batch 32, 11.8 against 9.7 (x1.22) with remat=none. The
+block formula omits float32 copies that LayerNorm and the loss keep, so plan
+with about 1.4x the ``none`` column and 1.1x the ``full`` column.
 """
 
 from __future__ import annotations
@@ -204,7 +211,8 @@ def table(estimates: list[Estimate], device_gib: float | None = None) -> str:
     for r in REMATS:
       cell = f"{e.total(r) / GIB:.2f}"
       if device_gib:
-        cell += " ok" if e.total(r) <= 0.85 * device_gib * GIB else " !!"
+        measured = e.total(r) * (1.4 if r == "none" else 1.1)   # see the docstring
+        cell += " ok" if measured <= 0.85 * device_gib * GIB else " !!"
       row.append(cell)
     rows.append(row)
   widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
@@ -228,7 +236,8 @@ def main(argv=None) -> str:
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--attention_impl", default="xla", choices=("xla", "cudnn"))
   parser.add_argument("--device_gib", type=float, default=None,
-                      help="device memory; marks totals that fit in 85%% of it 'ok'")
+                      help="device memory; marks totals that fit in 85%% of it 'ok' "
+                           "(after the measured 1.4x for remat none, 1.1x otherwise)")
   args = parser.parse_args(argv)
   mesh = parse_mesh(args.mesh)
   estimates = []
@@ -242,7 +251,8 @@ def main(argv=None) -> str:
            f"{args.image_size}px, {args.dtype} activations, attention={args.attention_impl}",
            table(estimates, args.device_gib),
            "act:<remat> = activations with model.remat=<remat>; gather = FSDP all-gather "
-           "buffer; add 10-20% for XLA temporaries (formulas: darl_jax/memory.py)"]
+           "buffer. Measured XLA peaks were up to 1.4x total:none and 1.0x total:full "
+           "(see darl_jax/memory.py)"]
   return "\n".join(lines)
 
 

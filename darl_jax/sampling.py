@@ -151,6 +151,9 @@ class Sampler:
                        "predictions lack each patch's mean and scale (loss.norm_pix=True)")
     if not model.backbone.causal:
       raise ValueError("sampling needs a causal backbone (model.causal=True)")
+    if getattr(model, "two_stream", False):
+      raise ValueError("the KV-cached sampler runs plain causal backbones; two-stream "
+                       "(model.two_stream) models are not supported")
     if model.loss not in darl_lib.LOSSES:
       raise ValueError(f"unknown loss {model.loss!r}; valid: {', '.join(darl_lib.LOSSES)}")
     if num_samples < 1:

@@ -7,10 +7,15 @@ Without ``init`` the probes read a random backbone (the baseline).
 Args: init, steps (default 300).
 
 Recipe: the paper's linear evaluation scaled to CPU minutes: frozen causal
-backbone, mean pooling, BatchNorm without affine, LARS (lr 0.1, momentum
-0.9, no weight decay), label smoothing 0.1, 10% warm-up then cosine, no
+backbone, mean pooling, BatchNorm without affine, LARS (momentum 0.9, no
+weight decay), label smoothing 0.1, 10% warm-up then cosine, no
 augmentation (28x28 crops would dominate a 300-step run). One probe per
 block; probe_accuracy.json / .png in the workdir.
+
+Learning rate: the paper's peak rate, 0.1 x 16384 / 256 = 6.4, kept at
+batch 256 rather than rescaled to 0.1: LARS moves a weight matrix by at most
+lr x 1e-3 of its norm per step, and a 300-step run needs the full rate (see
+darl_jax/train/linear_probe.py).
 
 Expect: see docs/RESULTS.md.
 """
@@ -33,5 +38,5 @@ def get_config(arg=None):
   c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512, image_size=28,
                  channels=1, posenc="rope2d", rope_max_wavelength=100.0, causal=True,
                  drop_path=0.0)
-  c.optim.update(warmup_steps=max(args.steps // 10, 1))
+  c.optim.update(base_lr=6.4, lr_scaling=False, warmup_steps=max(args.steps // 10, 1))
   return c

@@ -7,7 +7,8 @@ Args: variant (B/16 | L/16 | H/14, must match the pretraining run), init.
 
 Recipe (table "ImageNet Linear Evaluation Hyperparameters"): frozen backbone
 with the causal mask, mean pooling over patch tokens, BatchNorm without
-affine on the features, LARS (lr 0.1, momentum 0.9, weight decay 0), label
+affine on the features, LARS (base lr 0.1 x batch / 256 = 6.4, momentum 0.9,
+weight decay 0), label
 smoothing 0.1, spatial augmentation, batch 16384, cosine with 10 warm-up
 epochs, 90 epochs. One forward pass trains one probe per block.
 

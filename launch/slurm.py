@@ -26,7 +26,7 @@ import argparse
 import shlex
 import sys
 
-import common
+import launchlib as common
 
 PROCESSES = ("per_gpu", "per_node")
 

@@ -28,7 +28,7 @@ import re
 import shlex
 import sys
 
-import common
+import launchlib as common
 
 STEPS = ("create", "copy", "setup", "run")
 

@@ -39,7 +39,7 @@ import re
 import shlex
 import sys
 
-import common
+import launchlib as common
 import tpu_vm
 
 # GPUs whose Vertex machine type XManager's Vertex client chooses, with the

@@ -3,12 +3,13 @@
 Parity is checked in float32 on tiny models with random (not initial) weights,
 so every LayerNorm scale, bias and position table matters. Tolerance:
 ``|torch - flax| <= ATOL + RTOL * |flax|`` elementwise on ``features`` and every
-``block_XX`` output, ATOL = 2e-5 and RTOL = 1e-5. Observed: at most 3e-6
-absolute on outputs up to ~9 in magnitude (under a fifth of the tolerance),
-from different summation orders in matmuls, LayerNorm and attention.
+``block_XX`` output, ATOL = 1e-4 and RTOL = 1e-5, on outputs up to ~10 in
+magnitude. Observed: at most 3e-6 against eager Flax (most tests run Flax op by
+op), up to 5e-5 against jitted or scanned Flax, which differs from eager Flax
+by the same 5e-5 (XLA fuses and approximates erf/exp differently); so the
+PyTorch port is as close to Flax as Flax is to itself.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -31,9 +32,18 @@ from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ATOL, RTOL = 2e-5, 1e-5
+ATOL, RTOL = 1e-4, 1e-5
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+def _have_torch() -> bool:
+  try:
+    import torch  # noqa: F401  (the parity tests import it anyway)
+  except ImportError:
+    return False
+  return True
+
+
+HAVE_TORCH = _have_torch()
 requires_torch = pytest.mark.skipif(
     not HAVE_TORCH, reason="PyTorch is not installed; the Flax->PyTorch parity tests need "
     "it (pip install -c constraints.txt -e '.[test]')")
@@ -349,8 +359,10 @@ def imported_modules(stderr: str) -> set[str]:
           if line.startswith("import time:") and line.count("|") == 2}
 
 
-@requires_torch
 def test_cli_end_to_end_on_a_pretraining_workdir(pretrained_workdir, tmp_path):
+  """The CLI on a real workdir: sidecar, decoder tensors, a step directory, and
+  (with PyTorch) the rebuilt backbone against the restored Flax one. One test, so
+  that pytest-xdist builds the workdir once."""
   out = tmp_path / "export" / "darl.safetensors"
   proc = run_cli(f"--checkpoint={pretrained_workdir}", f"--out={out}", "--with_decoder")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -375,37 +387,59 @@ def test_cli_end_to_end_on_a_pretraining_workdir(pretrained_workdir, tmp_path):
   assert sidecar["source"]["step"] == 2 and sidecar["pretraining"]["norm_pix"] is False
   assert sidecar["decoder"]["kind"] == "linear"
 
-  # The backbone in torch == the restored Flax backbone.
   params, _ = checkpoint_lib.restore_params(str(pretrained_workdir))
   config = ml_collections.ConfigDict(json.loads(
       (pretrained_workdir / "config.json").read_text()))
   backbone, patch = vit_lib.vit_from_config(config.model)
   clf = heads.Classifier(backbone, patch, num_classes=1)
   x = images(3, 8, 8)
-  _, want = clf.apply({"params": {"backbone": params["backbone"],
-                                           "head": {"kernel": np.zeros((64, 1), np.float32),
-                                                    "bias": np.zeros(1, np.float32)}}}, x)
-  assert_outputs_close(torch_forward(load_torch(out), x), want)
+  head = {"kernel": np.zeros((64, 1), np.float32), "bias": np.zeros(1, np.float32)}
+  _, want = clf.apply({"params": {"backbone": params["backbone"], "head": head}}, x)
 
   # The decoder tensors are nn.Linear-shaped: the linear decoder is z @ W.T + b.
   from safetensors.numpy import load_file
   tensors = load_file(str(out))
   z = np.asarray(want["features"]).reshape(-1, 64)
   dec = params["decoder"]["linear"]
-  np.testing.assert_allclose(z @ tensors["decoder.linear.weight"].T + tensors["decoder.linear.bias"],
-                             z @ dec["kernel"] + dec["bias"], atol=1e-5)
+  np.testing.assert_allclose(
+      z @ tensors["decoder.linear.weight"].T + tensors["decoder.linear.bias"],
+      z @ dec["kernel"] + dec["bias"], atol=1e-5)
   assert {k for k in tensors if k.startswith("decoder.")} == {"decoder.linear.weight",
                                                               "decoder.linear.bias"}
 
+  # A step directory, without the decoder: exactly the backbone tensors.
+  step_out = tmp_path / "bb.safetensors"
+  export.export(str(pretrained_workdir / "checkpoints" / "2"), str(step_out))
+  names = set(load_file(str(step_out)))
+  assert names == set(export.expected_backbone_shapes(bb))
 
-def test_export_of_the_step_directory_without_decoder(pretrained_workdir, tmp_path):
-  out = tmp_path / "bb.safetensors"
-  export.export(str(pretrained_workdir / "checkpoints" / "2"), str(out))
+  if HAVE_TORCH:   # the rebuilt backbone == the restored Flax backbone
+    assert_outputs_close(torch_forward(load_torch(out), x), want)
+
+
+def test_transformer_decoder_export(tmp_path):
+  """--with_decoder on the diffusion decoder: nn.Linear layouts and a sidecar entry."""
+  import runpy
   from safetensors.numpy import load_file
-  names = set(load_file(str(out)))
-  assert not any(k.startswith("decoder.") for k in names)
-  assert names == set(export.expected_backbone_shapes(
-      json.loads(out.with_suffix(".json").read_text())["backbone"]))
+  config = runpy.run_path(str(ROOT / "tests" / "tiny_config.py"))["get_config"](
+      "objective=diffusion")
+  params = random_params(darl_lib.darl_from_config(config), images(1, 8, 8), train=False)
+  out = tmp_path / "d.safetensors"
+  export.export_params(params, config.to_dict(), str(out), with_decoder=True)
+  tensors = load_file(str(out))
+  dec = params["decoder"]
+  np.testing.assert_array_equal(tensors["decoder.noisy_embed.weight"],
+                                dec["noisy_embed"]["kernel"].T)      # [32, 4 + gamma]
+  np.testing.assert_array_equal(
+      tensors["decoder.blocks.0.attn.qkv.weight"],
+      dec["block_0"]["attn"]["qkv"]["kernel"].reshape(32, 96).T)
+  np.testing.assert_array_equal(tensors["decoder.type_embed"], dec["type_embed"])
+  n_flax = len(jax.tree.leaves(dec))
+  assert len([k for k in tensors if k.startswith("decoder.")]) == n_flax
+  sidecar = json.loads(out.with_suffix(".json").read_text())["decoder"]
+  assert (sidecar["kind"], sidecar["width"], sidecar["num_heads"], sidecar["depth"],
+          sidecar["gamma_conditioning"], sidecar["patch_dim"], sidecar["loss"]) == \
+      ("transformer", 32, 2, 1, True, 4, "diffusion")
 
 
 @requires_torch

@@ -32,6 +32,7 @@ from flax import linen as nn
 from darl_jax import diffusion
 from darl_jax import patches as patches_lib
 from darl_jax.models import decoders as decoders_lib
+from darl_jax.models import two_stream as two_stream_lib
 from darl_jax.models import vit as vit_lib
 
 LOSSES = ("mse", "diffusion")
@@ -69,10 +70,25 @@ class DARL(nn.Module):
     return patches_lib.make_ordering(self.ordering, *grid_hw, block=self.ordering_block,
                                      seed=self.ordering_seed)
 
+  @property
+  def two_stream(self) -> bool:
+    return isinstance(self.backbone, two_stream_lib.TwoStreamViT)
+
   def encode(self, images, *, train: bool, perm=None):
-    """Ordered targets ``[B, N, P]`` and backbone outputs ``z [B, N, D]``."""
+    """Ordered targets ``[B, N, P]`` and backbone outputs ``z [B, N, D]``.
+
+    ``perm`` (``[N]`` or per-example ``[B, N]``) overrides the configured
+    ordering. A two-stream model with ``ordering="random"`` draws a fresh
+    permutation per example from the ``noise`` rng; a plain model's "random"
+    ordering is one fixed permutation (it has no way to know which patch
+    comes next otherwise).
+    """
     grid_hw = (images.shape[1] // self.patch_size, images.shape[2] // self.patch_size)
     x = patches_lib.patchify(images, self.patch_size)
+    b, n = x.shape[0], x.shape[1]
+    if perm is None and self.two_stream and self.ordering == "random":
+      perm = patches_lib.random_permutations(
+          jax.random.fold_in(self.make_rng("noise"), 7), b, n)
     if perm is None:
       order = self._ordering(grid_hw)
       perm = jnp.asarray(order.perm)
@@ -81,11 +97,15 @@ class DARL(nn.Module):
       rows, cols = patches_lib.positions_of(perm, grid_hw[1])
       rows, cols = (rows[None], cols[None]) if rows.ndim == 1 else (rows, cols)
     tokens = patches_lib.order_tokens(x, perm)
-    n = tokens.shape[1]
     index = jnp.arange(1, n + 1, dtype=jnp.int32)[None]
-    out = self.backbone(tokens[:, :-1].astype(self.backbone.dtype), rows[:, :-1],
-                        cols[:, :-1], index[:, :-1], grid_hw, prepend_sos=True,
-                        train=train)
+    inputs = (tokens[:, :-1].astype(self.backbone.dtype), rows[:, :-1], cols[:, :-1],
+              index[:, :-1], grid_hw)
+    if self.two_stream:
+      # Query t carries the position of patch t, the one it predicts.
+      out = self.backbone(*inputs, query_rows=rows, query_cols=cols, query_index=index,
+                          prepend_sos=True, train=train)
+    else:
+      out = self.backbone(*inputs, prepend_sos=True, train=train)
     target = normalize_patches(tokens) if self.norm_pix else tokens
     return target, out
 
@@ -146,7 +166,9 @@ class DARL(nn.Module):
     the training schedule's gamma grid, run for all patches at once (they are
     independent given the teacher-forced context). Uses the ``noise`` rng.
     """
-    target, out = self.encode(images, train=False)
+    grid_hw = (images.shape[1] // self.patch_size, images.shape[2] // self.patch_size)
+    order = self._ordering(grid_hw)
+    target, out = self.encode(images, train=False, perm=jnp.asarray(order.perm))
     b, n, p = target.shape
     z = out["features"].reshape(b * n, -1)
     if self.loss == "mse":
@@ -173,8 +195,6 @@ class DARL(nn.Module):
                              split_rngs={"params": False})(self, (x, z),
                                                            jnp.arange(num_steps))
     pred = pred.reshape(b, n, p)
-    grid_hw = (images.shape[1] // self.patch_size, images.shape[2] // self.patch_size)
-    order = self._ordering(grid_hw)
     raster = patches_lib.unorder_tokens(pred, jnp.asarray(order.perm))
     return patches_lib.unpatchify(raster, self.patch_size, grid_hw, images.shape[-1])
 
@@ -182,6 +202,8 @@ class DARL(nn.Module):
 def darl_from_config(config) -> DARL:
   """Builds the DARL module from ``config.model``, ``config.decoder``, ``config.loss``."""
   backbone, patch = vit_lib.vit_from_config(config.model)
+  if config.model.get("two_stream", False):
+    backbone = two_stream_lib.two_stream_from_vit(backbone)
   loss_cfg = config.loss
   if loss_cfg.kind not in LOSSES:
     raise ValueError(f"unknown loss {loss_cfg.kind!r}; valid: {', '.join(LOSSES)}")

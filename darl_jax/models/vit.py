@@ -138,37 +138,61 @@ class ViT(nn.Module):
     return dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, causal=self.causal,
                 attention_impl=self.attention_impl, drop_path=rate, dtype=self.dtype)
 
+  def embed_tokens(self, patches, rows, cols, index, grid_hw, prepend_sos: bool):
+    """Patch embedding, additive positions, SOS and the RoPE tables.
+
+    Called from a compact ``__call__`` (this one's or a subclass's), so the
+    parameters it creates keep the backbone's names. Returns ``x [B, T', D]``
+    and ``rope`` (``(cos, sin)`` tables ``[B, T', head_dim/2]``, or None).
+    """
+    posenc_lib.check_posenc(self.posenc)
+    x = nn.Dense(self.width, dtype=self.dtype, kernel_init=DENSE_INIT,
+                 name="patch_embed")(patches)
+    x = x + self.additive_positions(rows, cols, grid_hw, x.dtype)
+    rows_f, cols_f, index_f = self.scaled_positions(rows, cols, index, grid_hw)
+    if prepend_sos:
+      sos = self.param("sos", nn.initializers.normal(0.02), (self.width,), jnp.float32)
+      x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype),
+                                            (x.shape[0], 1, self.width)), x], 1)
+      lead = rows_f.shape[:-1] + (1,)
+      rows_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), rows_f], -1)
+      cols_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), cols_f], -1)
+      index_f = jnp.concatenate([jnp.zeros(lead), index_f], -1)
+    return x, self.rope_tables(rows_f, cols_f, index_f, x.shape[0])
+
+  def scaled_positions(self, rows, cols, index, grid_hw):
+    """float32 positions, interpolated onto the reference grid."""
+    sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
+    # Per-example (e.g. permuted) and shared positions may be mixed: broadcast.
+    return tuple(jnp.broadcast_arrays(jnp.asarray(rows, jnp.float32) * sy,
+                                      jnp.asarray(cols, jnp.float32) * sx,
+                                      jnp.asarray(index, jnp.float32)))
+
+  def additive_positions(self, rows, cols, grid_hw, dtype):
+    """The sin-cos / learned embedding to add (0 for NoPE and RoPE)."""
+    if self.posenc == "sincos2d":
+      r, c, _ = self.scaled_positions(rows, cols, rows, grid_hw)
+      return posenc_lib.sincos_2d(r, c, self.width).astype(dtype)
+    if self.posenc == "learned":
+      return posenc_lib.LearnedPosEmbedding(
+          tuple(self.reference_grid), self.width, name="pos_embed")(
+              rows, cols, grid_hw).astype(dtype)
+    return jnp.zeros((), dtype)
+
+  def rope_tables(self, rows_f, cols_f, index_f, batch: int):
+    """``(cos, sin)`` ``[B, T, head_dim/2]`` for rotary encodings, else None."""
+    if self.posenc not in posenc_lib.ROTARY:
+      return None
+    angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
+                                    self.rope_max_wavelength, index_f, rows_f, cols_f)
+    if angles.ndim == 2:
+      angles = jnp.broadcast_to(angles, (batch,) + angles.shape)
+    return posenc_lib.rope_cos_sin(angles)
+
   @nn.compact
   def __call__(self, patches, rows, cols, index, grid_hw, *, prepend_sos: bool = True,
                train: bool = False):
-    posenc_lib.check_posenc(self.posenc)
-    b = patches.shape[0]
-    x = nn.Dense(self.width, dtype=self.dtype, kernel_init=DENSE_INIT,
-                 name="patch_embed")(patches)
-    sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
-    frows = jnp.asarray(rows, jnp.float32) * sy
-    fcols = jnp.asarray(cols, jnp.float32) * sx
-    findex = jnp.asarray(index, jnp.float32)
-    if self.posenc == "sincos2d":
-      x = x + posenc_lib.sincos_2d(frows, fcols, self.width).astype(x.dtype)
-    elif self.posenc == "learned":
-      x = x + posenc_lib.LearnedPosEmbedding(
-          tuple(self.reference_grid), self.width, name="pos_embed")(
-              rows, cols, grid_hw).astype(x.dtype)
-    if prepend_sos:
-      sos = self.param("sos", nn.initializers.normal(0.02), (self.width,), jnp.float32)
-      x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype), (b, 1, self.width)), x], 1)
-      lead = frows.shape[:-1] + (1,)
-      frows = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), frows], -1)
-      fcols = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), fcols], -1)
-      findex = jnp.concatenate([jnp.zeros(lead), findex], -1)
-    rope = None
-    if self.posenc in posenc_lib.ROTARY:
-      angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
-                                      self.rope_max_wavelength, findex, frows, fcols)
-      angles = jnp.broadcast_to(angles, (b,) + angles.shape[-2:]) if angles.ndim == 2 else angles
-      rope = posenc_lib.rope_cos_sin(angles)
-
+    x, rope = self.embed_tokens(patches, rows, cols, index, grid_hw, prepend_sos)
     out = {}
     block_cls = Block
     if self.remat != "none":
@@ -294,36 +318,10 @@ class CachedViT(ViT):
 
   @nn.compact
   def __call__(self, patches, rows, cols, index, grid_hw, *, prepend_sos: bool = False):
-    posenc_lib.check_posenc(self.posenc)
     if not self.causal:
       raise ValueError("cached decoding needs a causal backbone (model.causal=True)")
-    b = patches.shape[0]
-    # Embedding and positions exactly as in ViT.__call__.
-    x = nn.Dense(self.width, dtype=self.dtype, kernel_init=DENSE_INIT,
-                 name="patch_embed")(patches)
-    sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
-    frows = jnp.asarray(rows, jnp.float32) * sy
-    fcols = jnp.asarray(cols, jnp.float32) * sx
-    findex = jnp.asarray(index, jnp.float32)
-    if self.posenc == "sincos2d":
-      x = x + posenc_lib.sincos_2d(frows, fcols, self.width).astype(x.dtype)
-    elif self.posenc == "learned":
-      x = x + posenc_lib.LearnedPosEmbedding(
-          tuple(self.reference_grid), self.width, name="pos_embed")(
-              rows, cols, grid_hw).astype(x.dtype)
-    if prepend_sos:
-      sos = self.param("sos", nn.initializers.normal(0.02), (self.width,), jnp.float32)
-      x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype), (b, 1, self.width)), x], 1)
-      lead = frows.shape[:-1] + (1,)
-      frows = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), frows], -1)
-      fcols = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), fcols], -1)
-      findex = jnp.concatenate([jnp.zeros(lead), findex], -1)
-    rope = None
-    if self.posenc in posenc_lib.ROTARY:
-      angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
-                                      self.rope_max_wavelength, findex, frows, fcols)
-      angles = jnp.broadcast_to(angles, (b,) + angles.shape[-2:]) if angles.ndim == 2 else angles
-      rope = posenc_lib.rope_cos_sin(angles)
+    # The training path's own embedding, positions, SOS and RoPE tables.
+    x, rope = self.embed_tokens(patches, rows, cols, index, grid_hw, prepend_sos)
     for i in range(self.depth):
       x = CachedBlock(self.num_heads, self.mlp_dim, self.cache_len, dtype=self.dtype,
                       name=f"block_{i:02d}")(x, rope)

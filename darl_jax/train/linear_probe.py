@@ -21,9 +21,13 @@ block's; at the end (``finalize``) ``probe_accuracy.json`` and
 ``probe_accuracy.png`` (accuracy vs depth (i + 1) / L) in the workdir and
 ``val_best_accuracy`` / ``val_best_block`` in metrics.jsonl.
 
-Learning rate: as for fine-tuning we read the table's "Learning rate 0.1"
-as the peak rate (``optim.lr_scaling=False``); MAE's linear probe scales a base
-rate of 0.1 by batch/256 (``--config.optim.lr_scaling=True``).
+Learning rate: the table's "Learning rate 0.1" is MAE's *base* rate, scaled
+by batch / 256 (``optim.lr_scaling=True``: 6.4 at batch 16384). Read as a
+peak rate it could not train: LARS (trust coefficient 1e-3, as in MAE) moves
+each weight matrix by at most ``lr * 1e-3`` of its norm per step, so at 0.1
+the probes (initialised at std 0.01) could grow by at most a factor
+``exp(7000 * 1e-4) ~ 2`` over a 90-epoch run. (Fine-tuning, with AdamW, reads
+its table's rate literally; see finetune.py.)
 
 ``RidgeProbe`` is the optional pretraining evaluator (``config.probe_eval``):
 closed-form ridge regression on frozen, mean-pooled final features.
@@ -63,7 +67,7 @@ def linear_probe_config() -> ml_collections.ConfigDict:
   c.label_smoothing = 0.1
   c.batch_size = 16384
   c.total_epochs = 90.0
-  c.optim.update(name="lars", base_lr=0.1, lr_scaling=False, momentum=0.9,
+  c.optim.update(name="lars", base_lr=0.1, lr_scaling=True, momentum=0.9,
                  weight_decay=0.0, warmup_epochs=10.0, warmup_steps=-1,
                  schedule="cosine", layer_decay=0.0, num_layers=0,
                  frozen=["^backbone/"])
@@ -241,12 +245,8 @@ def plot_probe_accuracy(report: dict, path: str) -> None:
 # -------------------------------------------------- ridge probe (pretraining)
 
 
-def probe_eval_config() -> ml_collections.ConfigDict:
-  """Keys of ``config.probe_eval`` (the pretraining evaluator); off by default."""
-  return ml_collections.ConfigDict({
-      "enabled": False, "train_split": "train", "eval_split": "validation",
-      "num_train_examples": 5000, "num_eval_examples": 2000, "l2": 1e-3,
-      "batch_size": 0})
+# The keys of ``config.probe_eval`` live with the pretraining config.
+probe_eval_config = config_lib.probe_eval_config
 
 
 def ridge_fit(feats: np.ndarray, labels: np.ndarray, num_classes: int, l2: float):

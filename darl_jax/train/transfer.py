@@ -26,6 +26,7 @@ interpolate positions at the new resolution).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -143,7 +144,6 @@ def restore_into(target, init_from: str, *, step: int | None = None,
 
 def write_report(workdir, report: RestoreReport) -> None:
   """``<workdir>/init_report.json``: the three lists, for later inspection."""
-  import json
   if jax.process_index() != 0:
     return
   (workdir / "init_report.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))

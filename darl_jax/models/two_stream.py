@@ -1,0 +1,133 @@
+"""XLNet-style two-stream backbone for random-order pretraining.
+
+Paper section "Random Ordering" and appendix "Two-Stream Architecture". With a
+random patch order the plain causal model does not know *which* patch comes
+next; the query stream tells it.
+
+* Content stream: exactly the causal decoder-only ViT (same parameters, same
+  names: ``patch_embed``, ``sos``, ``block_XX/...``, ``norm``) over
+  ``[SOS, x_0 .. x_{N-2}]`` in the (possibly per-example) permuted order.
+* Query stream: N learnable query tokens (one shared vector, ``query_token``)
+  carrying, through 2D RoPE, the position of the patch to predict: query t
+  sits where patch t of the order is. In every block the query stream gets an
+  extra query projection (``attn/query_proj``) and attends to the content
+  stream's keys and values of that block. Query t may see content positions
+  0..t, i.e. SOS and x_0 .. x_{t-1}: in terms of patches this is the causal
+  mask with its diagonal removed (content t+1 holds x_t itself), so the query
+  for patch t never sees patch t's content. Keys, values, the output
+  projection, the LayerNorms and the MLP are shared between the streams (the
+  paper shares the feed-forward weights; sharing the rest follows XLNet).
+  Queries attend to content only, not to earlier queries, as in XLNet.
+
+The permuted sequence is fed directly and the attention masks stay the same
+for every permutation (the appendix's choice); raster order is just the
+identity permutation. Predictions come from the query stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from darl_jax.models import attention as attention_lib
+from darl_jax.models import posenc as posenc_lib
+from darl_jax.models import vit as vit_lib
+
+
+class TwoStreamAttention(nn.Module):
+  """Content self-attention plus query-stream attention onto the content."""
+  num_heads: int
+  impl: str = "xla"
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h, g, rope_h, rope_g):
+    width = h.shape[-1]
+    head_dim = width // self.num_heads
+    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype,
+                          kernel_init=attention_lib.QKV_INIT, name="qkv")(h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q_g = nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype,
+                          kernel_init=attention_lib.QKV_INIT, name="query_proj")(g)
+    if rope_h is not None:
+      q, k = posenc_lib.apply_rope(q, *rope_h), posenc_lib.apply_rope(k, *rope_h)
+      q_g = posenc_lib.apply_rope(q_g, *rope_g)
+    out = nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
+                          kernel_init=attention_lib.OUT_INIT, name="out")
+    # Both streams use the causal mask over content positions; for the query
+    # stream that is "content < the patch it predicts" (see module docstring).
+    h_out = out(attention_lib.dot_product_attention(q, k, v, causal=True, impl=self.impl))
+    g_out = out(attention_lib.dot_product_attention(q_g, k, v, causal=True, impl=self.impl))
+    return h_out, g_out
+
+
+class TwoStreamBlock(nn.Module):
+  """``vit.Block`` run on both streams; parameter names match ``vit.Block``."""
+  num_heads: int
+  mlp_dim: int
+  attention_impl: str = "xla"
+  drop_path: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h, g, rope_h, rope_g, deterministic: bool = True):
+    norm1 = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm1")
+    dh, dg = TwoStreamAttention(self.num_heads, self.attention_impl, self.dtype,
+                                name="attn")(norm1(h), norm1(g), rope_h, rope_g)
+    drop = vit_lib.DropPath(self.drop_path)
+    h, g = h + drop(dh, deterministic), g + drop(dg, deterministic)
+    norm2 = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm2")
+    mlp = vit_lib.Mlp(self.mlp_dim, dtype=self.dtype, name="mlp")
+    return (h + drop(mlp(norm2(h)), deterministic),
+            g + drop(mlp(norm2(g)), deterministic))
+
+
+class TwoStreamViT(vit_lib.ViT):
+  """The backbone with a query stream. Same fields as ``ViT`` (causal only).
+
+  Call like ``ViT`` with the content tokens (``prepend_sos=True``), plus the
+  query positions ``query_rows``/``query_cols``/``query_index`` ``[B or 1,
+  N]`` (the positions of the patches to predict). Returns ``features`` (the
+  query stream after the final LayerNorm, ``[B, N, D]``), ``content`` (the
+  content stream's, equal to the plain backbone's ``features``) and
+  ``block_XX`` (content-stream block outputs).
+  """
+
+  @nn.compact
+  def __call__(self, patches, rows, cols, index, grid_hw, *, query_rows=None,
+               query_cols=None, query_index=None, prepend_sos: bool = True,
+               train: bool = False):
+    if not self.causal:
+      raise ValueError("the two-stream model is causal by construction; set "
+                       "model.causal=True (fine-tuning uses the plain backbone)")
+    if self.scan_layers:
+      raise ValueError("the two-stream model does not support model.scan_layers")
+    h, rope_h = self.embed_tokens(patches, rows, cols, index, grid_hw, prepend_sos)
+    b, n = h.shape[0], h.shape[1]
+    query = self.param("query_token", nn.initializers.normal(0.02), (self.width,),
+                       jnp.float32)
+    g = jnp.broadcast_to(query.astype(h.dtype), (b, n, self.width))
+    g = g + self.additive_positions(query_rows, query_cols, grid_hw, h.dtype)
+    qr, qc, qi = self.scaled_positions(query_rows, query_cols, query_index, grid_hw)
+    rope_g = self.rope_tables(qr, qc, qi, b)
+    out = {}
+    for i in range(self.depth):
+      h, g = TwoStreamBlock(self.num_heads, self.mlp_dim, self.attention_impl,
+                            self._block_kwargs(i)["drop_path"], self.dtype,
+                            name=f"block_{i:02d}")(h, g, rope_h, rope_g, not train)
+      out[f"block_{i:02d}"] = h
+    norm = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm")
+    out["content"] = norm(h)
+    out["features"] = norm(g)
+    return out
+
+
+def two_stream_from_vit(backbone: vit_lib.ViT) -> TwoStreamViT:
+  fields = {f: getattr(backbone, f) for f in (
+      "width", "depth", "num_heads", "mlp_dim", "posenc", "reference_grid",
+      "rope_max_wavelength", "causal", "attention_impl", "drop_path", "dtype",
+      "scan_layers", "remat")}
+  return TwoStreamViT(**fields)
