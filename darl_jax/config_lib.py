@@ -88,6 +88,29 @@ def probe_eval_config() -> ml_collections.ConfigDict:
       "batch_size": 0})
 
 
+def fashion_mnist_pretrain_config(steps: int) -> ml_collections.ConfigDict:
+  """The small Fashion-MNIST DARL setup shared by experiments/fashion_mnist_*.py.
+
+  A causal ViT (width 128, 4 blocks, 4 heads) over 7x7 patches of 4x4 pixels
+  with 2D RoPE, batch 128, AdamW at base lr 1e-3 (5e-4 peak after scaling by
+  128/256: short runs want a larger lr than the paper's 1.5e-4, which is
+  tuned for 800 ImageNet epochs), 100 warm-up steps. The objective and
+  decoder are left at MSE / linear for the experiment file to set.
+  """
+  c = pretrain_config()
+  c.total_steps = steps
+  c.batch_size = 128
+  c.log_every_steps = 50
+  c.checkpoint_every_steps = 500
+  c.eval_every_steps = 500
+  c.eval_max_batches = 10
+  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
+  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512,
+                 image_size=28, channels=1, posenc="rope2d", rope_max_wavelength=100.0)
+  c.optim.update(base_lr=1e-3, warmup_steps=100, weight_decay=0.05)
+  return c
+
+
 def resolve_total_steps(config, steps_per_epoch: int) -> int:
   """``total_steps`` if positive, else ``ceil(total_epochs * steps_per_epoch)``."""
   if config.get("total_steps", 0) and config.total_steps > 0:

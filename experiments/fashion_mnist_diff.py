@@ -11,7 +11,8 @@ experiments/vit_l16_diff.py). Data: Fashion-MNIST from Debian's
 dataset-fashion-mnist (no download).
 
 Expect (2 CPU cores, under 10 minutes): the loss (x0 MSE averaged over gamma)
-falls from about 0.5 to about 0.1; val_loss (at a fixed gamma grid) falls with
+falls from about 2.5 over the first steps to about 0.12 by step 150 and
+lower after; val_loss (at a fixed gamma grid) falls with
 it; metrics.jsonl has loss_gamma_bin_XX (low gamma = heavy noise = high loss);
 predictions.png shows originals, then two teacher-forced samples from the
 reverse diffusion process (100 steps) for each next patch.
@@ -24,17 +25,7 @@ from darl_jax import config_lib
 
 def get_config(arg=None):
   args = config_lib.parse_arg(arg, steps=800)
-  c = config_lib.pretrain_config()
-  c.total_steps = args.steps
-  c.batch_size = 128
-  c.log_every_steps = 50
-  c.checkpoint_every_steps = 500
-  c.eval_every_steps = 500
-  c.eval_max_batches = 10
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512,
-                 image_size=28, channels=1, posenc="rope2d", rope_max_wavelength=100.0)
-  c.optim.update(base_lr=1e-3, warmup_steps=100, weight_decay=0.05)
+  c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.decoder.update(kind="transformer", depth=1, gamma_conditioning=True)
   c.loss.update(kind="diffusion", noise_a=1.0, noise_b=1.0, predict="x0")
   return c

@@ -25,18 +25,9 @@ def get_config(arg=None):
   args = config_lib.parse_arg(arg, order="random", steps=800)
   if args.order not in ("random", "raster"):
     raise ValueError(f"order must be random or raster, got {args.order!r}")
-  c = config_lib.pretrain_config()
-  c.total_steps = args.steps
-  c.batch_size = 128
-  c.log_every_steps = 50
-  c.checkpoint_every_steps = 500
+  c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.eval_every_steps = 400
-  c.eval_max_batches = 10
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512,
-                 image_size=28, channels=1, posenc="rope2d", rope_max_wavelength=100.0,
-                 two_stream=True, ordering=args.order)
-  c.optim.update(base_lr=1e-3, warmup_steps=100, weight_decay=0.05)
+  c.model.update(two_stream=True, ordering=args.order)
   c.decoder.update(kind="linear")
   c.loss.update(kind="mse")
   return c

@@ -263,6 +263,8 @@ def test_sampler_rejects_models_it_cannot_sample():
     sampling.Sampler(build(**{"loss.norm_pix": True}), (16, 16, 1))
   with pytest.raises(ValueError, match="causal"):
     sampling.Sampler(build(**{"model.causal": False}), (16, 16, 1))
+  with pytest.raises(ValueError, match="two-stream"):
+    sampling.Sampler(build(**{"model.two_stream": True}), (16, 16, 1))
   with pytest.raises(ValueError, match="prefill_len 9 must be in"):
     sampler = sampling.Sampler(build(), (16, 16, 1))
     sampler(None, images(), sampling.known_mask("top_half", (4, 4), sampler.ordering),

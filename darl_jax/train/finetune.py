@@ -120,12 +120,7 @@ class FinetuneTrainer(loop.Trainer):
 
   def build_model(self, ctx):
     cfg = self.config
-    h, w, c = ctx.train_source.image_shape
-    if (h, w, c) != (cfg.model.image_size, cfg.model.image_size, cfg.model.channels):
-      raise ValueError(
-          f"data gives {h}x{w}x{c} images but the model expects {cfg.model.image_size}x"
-          f"{cfg.model.image_size}x{cfg.model.channels}; set data.image_size/channels and "
-          "model.image_size/channels to agree")
+    loop.check_image_shape(cfg, ctx.train_source)
     num_classes = ctx.train_source.num_classes
     if num_classes <= 1:
       raise ValueError(f"{cfg.data.name} has no class labels (num_classes={num_classes}); "

@@ -102,6 +102,17 @@ class Trainer:
     """Artifacts after training (pictures, reports)."""
 
 
+def check_image_shape(config, source) -> None:
+  """The data's images must be the size and channels the model is built for."""
+  h, w, c = source.image_shape
+  m = config.model
+  if (h, w, c) != (m.image_size, m.image_size, m.channels):
+    raise ValueError(
+        f"data gives {h}x{w}x{c} images but the model expects {m.image_size}x"
+        f"{m.image_size}x{m.channels}; set data.image_size/data.channels and "
+        "model.image_size/model.channels to agree")
+
+
 def _prefetch(it: Iterator, size: int = 2) -> Iterator:
   """Runs the host pipeline one or two batches ahead in a thread."""
   q: queue.Queue = queue.Queue(maxsize=size)

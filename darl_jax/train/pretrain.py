@@ -17,14 +17,8 @@ class PretrainTrainer(loop.Trainer):
   """Owns the DARL model, its loss, its validation loss and the prediction picture."""
 
   def build_model(self, ctx):
-    cfg = self.config
-    h, w, c = ctx.train_source.image_shape
-    if (h, w) != (cfg.model.image_size, cfg.model.image_size) or c != cfg.model.channels:
-      raise ValueError(
-          f"data gives {h}x{w}x{c} images but the model expects "
-          f"{cfg.model.image_size}x{cfg.model.image_size}x{cfg.model.channels}; set "
-          "data.image_size/data.channels and model.image_size/model.channels to agree")
-    return darl_lib.darl_from_config(cfg)
+    loop.check_image_shape(self.config, ctx.train_source)
+    return darl_lib.darl_from_config(self.config)
 
   def init_variables(self, model, rng, batch):
     p, n = jax.random.split(rng)
