@@ -16,9 +16,10 @@ Writes samples.png (8 images: the original in a red frame, then its
 completions; the red line marks the edge of the given half), samples.npz and
 sample_metrics.json, including the class retention judged by a pixel MLP
 trained here on the training split (classifier_steps). Expect (2 CPU cores,
-about 2 minutes with the 800-step pretraining run): given pixels unchanged
-(given_max_abs_error 0), completions keep the class far more often than the
-mismatched baseline; docs/SAMPLING.md has measured numbers.
+about 2 minutes, from the 800-step pretraining run): given_max_abs_error 0;
+classifier_acc_completion about 0.73 against 0.35 for the mismatched
+baseline and 0.89 for the originals; diversity_rms about 0.4 (0 for an MSE
+model). docs/SAMPLING.md has the measured table.
 
 Args (``--config=...py:steps=1000``): steps (sample.num_steps, T).
 """
