@@ -25,6 +25,7 @@ Two entry points:
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import jax
@@ -44,6 +45,13 @@ def _item_handlers(state_handler: ocp.CheckpointHandler) -> dict[str, Any]:
   # infer them from the args) lets a fresh manager answer item_metadata()
   # for checkpoints written by another process.
   return {STATE_ITEM: state_handler, META_ITEM: ocp.JsonCheckpointHandler()}
+
+
+def absolute_path(path) -> epath.Path:
+  """Orbax needs absolute paths: local relative ones are resolved against the
+  current directory; URLs such as gs://... are kept as given."""
+  path = str(path)
+  return epath.Path(path if "://" in path else os.path.abspath(path))
 
 
 def _copy_json(meta: dict) -> dict:
@@ -83,7 +91,7 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int = 3,
                async_save: bool = True):
-    self._directory = epath.Path(directory)
+    self._directory = absolute_path(directory)
     self._async = async_save
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -248,7 +256,7 @@ def restore_params(path_or_workdir: str, *,
   on a laptop), and only the ``params`` subtree is read (optimizer moments,
   typically 2x the parameter bytes, are skipped).
   """
-  path = epath.Path(path_or_workdir)
+  path = absolute_path(path_or_workdir)
   ckpt_dir, step = _resolve_checkpoint_dir(path, step)
   # A plain (non read-only) manager with create=False writes nothing unless
   # asked to save, and unlike read_only=True it does not log warnings. It

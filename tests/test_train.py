@@ -182,6 +182,18 @@ def test_bad_input_fails_early_with_the_fix(tmp_path, mutate, message):
     loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path))
 
 
+def test_relative_workdir_is_resolved_against_the_current_directory(tmp_path, monkeypatch):
+  # The README's command passes a relative --workdir; Orbax needs absolute paths.
+  monkeypatch.chdir(tmp_path)
+  config = _tiny()
+  config.total_steps = 2
+  config.checkpoint_every_steps = 1
+  config.predictions.num_images = 0
+  loop.run(pretrain.PretrainTrainer(config), config, "workdirs/relative")
+  assert checkpoint_lib.Checkpointer(
+      str(tmp_path / "workdirs/relative/checkpoints")).latest_step() == 2
+
+
 class NaNTrainer(pretrain.PretrainTrainer):
   def loss_fn(self, model, params, model_state, batch, rng, train):
     loss, aux = super().loss_fn(model, params, model_state, batch, rng, train)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
 import threading
 import time
@@ -243,6 +244,10 @@ def init_state_fn(trainer: Trainer, model, tx, init_batch) -> Callable:
 def run(trainer: Trainer, config, workdir: str) -> dict:
   """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
   # ------------------------------------------------------------------ workdir
+  # Orbax wants absolute paths; a relative local --workdir (as in the README)
+  # is taken relative to the current directory. URLs (gs://...) stay as given.
+  if "://" not in str(workdir):
+    workdir = os.path.abspath(workdir)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   is_main = jax.process_index() == 0
