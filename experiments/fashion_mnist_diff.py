@@ -24,7 +24,7 @@ from darl_jax import config_lib
 
 
 def get_config(arg=None):
-  args = config_lib.parse_arg(arg, steps=600)
+  args = config_lib.parse_arg(arg, steps=500)
   c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.decoder.update(kind="transformer", depth=1, gamma_conditioning=True)
   c.loss.update(kind="diffusion", noise_a=1.0, noise_b=1.0, predict="x0")

@@ -20,7 +20,7 @@ from darl_jax import config_lib
 
 
 def get_config(arg=None):
-  args = config_lib.parse_arg(arg, steps=600)
+  args = config_lib.parse_arg(arg, steps=500)
   c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.decoder.update(kind="linear")
   c.loss.update(kind="mse")
