@@ -40,6 +40,25 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
       q, k, v, mask=mask, is_causal=causal, implementation=impl)
 
 
+def project_qkv(x, num_heads: int, dtype, rope=None):
+  """The fused q/k/v projection (submodule ``qkv`` of the calling module) and
+  RoPE on q and k. ``x [B, T, D]`` -> three ``[B, T, heads, head_dim]``.
+
+  Call from inside a compact method: the Dense is created in the caller's
+  scope, so every attention variant shares the parameter names.
+  """
+  width = x.shape[-1]
+  if width % num_heads:
+    raise ValueError(f"width {width} is not divisible by {num_heads} heads")
+  qkv = nn.DenseGeneral((3, num_heads, width // num_heads), dtype=dtype,
+                        kernel_init=QKV_INIT, name="qkv")(x)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  if rope is not None:
+    q = posenc_lib.apply_rope(q, *rope)
+    k = posenc_lib.apply_rope(k, *rope)
+  return q, k, v
+
+
 class MultiHeadAttention(nn.Module):
   """Pre-projected multi-head attention; RoPE tables are passed in, not rebuilt."""
   num_heads: int
@@ -51,15 +70,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
                mask: jax.Array | None = None) -> jax.Array:
     width = x.shape[-1]
-    if width % self.num_heads:
-      raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
-    head_dim = width // self.num_heads
-    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype,
-                          kernel_init=QKV_INIT, name="qkv")(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if rope is not None:
-      q = posenc_lib.apply_rope(q, *rope)
-      k = posenc_lib.apply_rope(k, *rope)
+    q, k, v = project_qkv(x, self.num_heads, self.dtype, rope)
     out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
                            kernel_init=OUT_INIT, name="out")(out)
@@ -95,17 +106,10 @@ class CachedMultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array,
                rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     b, t, width = x.shape
-    if width % self.num_heads:
-      raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
     if t > self.cache_len:
       raise ValueError(f"{t} new tokens do not fit a cache of {self.cache_len}")
     head_dim = width // self.num_heads
-    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype,
-                          kernel_init=QKV_INIT, name="qkv")(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if rope is not None:
-      q = posenc_lib.apply_rope(q, *rope)
-      k = posenc_lib.apply_rope(k, *rope)
+    q, k, v = project_qkv(x, self.num_heads, self.dtype, rope)
     shape = (b, self.cache_len, self.num_heads, head_dim)
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)

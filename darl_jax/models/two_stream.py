@@ -46,14 +46,10 @@ class TwoStreamAttention(nn.Module):
   @nn.compact
   def __call__(self, h, g, rope_h, rope_g):
     width = h.shape[-1]
-    head_dim = width // self.num_heads
-    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype,
-                          kernel_init=attention_lib.QKV_INIT, name="qkv")(h)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    q_g = nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype,
+    q, k, v = attention_lib.project_qkv(h, self.num_heads, self.dtype, rope_h)
+    q_g = nn.DenseGeneral((self.num_heads, width // self.num_heads), dtype=self.dtype,
                           kernel_init=attention_lib.QKV_INIT, name="query_proj")(g)
-    if rope_h is not None:
-      q, k = posenc_lib.apply_rope(q, *rope_h), posenc_lib.apply_rope(k, *rope_h)
+    if rope_g is not None:
       q_g = posenc_lib.apply_rope(q_g, *rope_g)
     out = nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
                           kernel_init=attention_lib.OUT_INIT, name="out")
