@@ -34,6 +34,7 @@ import ml_collections
 from absl import logging
 
 from darl_jax import config_lib
+from darl_jax import sharding as sharding_lib
 from darl_jax import data as data_lib
 from darl_jax.data import mixup as mixup_lib
 from darl_jax.data import randaugment
@@ -60,6 +61,11 @@ def finetune_config() -> ml_collections.ConfigDict:
       "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "switch_prob": 0.5, "prob": 1.0})
   c.label_smoothing = 0.1
   c.ema_decay = 0.0           # > 0: evaluate with an EMA of the weights
+  # Also evaluate at these resolutions (no further training), logged as
+  # val_accuracy_at_<size>: the paper's "evaluate with resolution 384" rows.
+  # RoPE positions are interpolated to the trained grid; learned and absolute
+  # tables would need resizing and are refused.
+  c.eval_image_sizes = []
   c.optim.update(name="adamw", base_lr=1e-3, lr_scaling=False, b1=0.9, b2=0.95,
                  weight_decay=0.05, layer_decay=0.75, num_layers=0, warmup_epochs=5.0,
                  warmup_steps=-1, schedule="cosine")
@@ -183,6 +189,44 @@ class FinetuneTrainer(loop.Trainer):
     scale = 1.0 / (1.0 - decay ** jnp.maximum(count, 1).astype(jnp.float32))
     return jax.tree_util.tree_map(lambda e, p: jnp.where(count > 0, e * scale, p),
                                   model_state["ema"]["params"], params)
+
+  def extra_eval(self, ctx, model, state):
+    """Accuracy at each of ``config.eval_image_sizes`` with the current weights."""
+    return {f"accuracy_at_{size}": self.accuracy_at(ctx, model, state, int(size))
+            for size in self.config.get("eval_image_sizes", None) or ()}
+
+  def accuracy_at(self, ctx, model, state, size: int) -> float:
+    cfg = self.config
+    if size == cfg.model.image_size:
+      raise ValueError(f"eval_image_sizes holds the training size {size}; list other sizes")
+    posenc = cfg.model.posenc
+    if posenc not in ("rope1d", "rope2d", "nope"):
+      raise ValueError(f"eval_image_sizes needs a position encoding that works at another "
+                       f"resolution (rope1d, rope2d, nope), not {posenc!r}")
+    if not hasattr(self, "_at_size"):
+      self._at_size = {}
+    if size not in self._at_size:
+      at = cfg.copy_and_resolve_references()
+      with at.unlocked():
+        at.data.image_size = size
+        at.model.image_size = size
+        at.model.reference_image_size = (cfg.model.get("reference_image_size", 0)
+                                         or cfg.model.image_size)
+      backbone, patch = vit_lib.vit_from_config(at.model)
+      resized = heads.Classifier(backbone=backbone, patch_size=patch,
+                                 num_classes=model.num_classes, readout=model.readout,
+                                 sos=model.sos)
+      source = self.make_source(at, at.data.eval_split, train=False)
+
+      def step(params, model_state, batch):
+        out = self.eval_fn(resized, params, model_state, batch, None)
+        return {"accuracy": jnp.sum(out["accuracy"] * batch["mask"].astype(jnp.float32))}
+
+      self._at_size[size] = (source, jax.jit(step))
+    source, step = self._at_size[size]
+    scores = loop.evaluate(self, None, state, source, step,
+                           sharding_lib.batch_sharding(ctx.mesh), cfg)
+    return scores["accuracy"]
 
   def eval_fn(self, model, params, model_state, batch, rng):
     del rng
