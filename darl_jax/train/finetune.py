@@ -65,7 +65,7 @@ def finetune_config() -> ml_collections.ConfigDict:
   # val_accuracy_at_<size>: the paper's "evaluate with resolution 384" rows.
   # Positions are interpolated onto the trained grid (model.reference_image_size)
   # for every encoding (a learned table is resized bilinearly).
-  c.eval_image_sizes = []
+  c.eval_image_sizes = ()
   c.optim.update(name="adamw", base_lr=1e-3, lr_scaling=False, b1=0.9, b2=0.95,
                  weight_decay=0.05, layer_decay=0.75, num_layers=0, warmup_epochs=5.0,
                  warmup_steps=-1, schedule="cosine")

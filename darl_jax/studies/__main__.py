@@ -1,0 +1,119 @@
+"""``python -m darl_jax.studies --study=<name>[,<name>...|all] --scale=fmnist``.
+
+Runs what is missing of the studies, then writes each study's report
+(``<out>/<study>/README.md`` with tables and plots). Rerun the same command
+after a kill: finished stages are kept, the rest runs (a half-finished stage
+resumes from its checkpoint).
+
+  --scale     tiny (seconds on CPU) | fmnist (Fashion-MNIST, one GPU) | imagenet
+  --out       results and reports (default reports/studies/<scale>)
+  --work      stage workdirs: checkpoints, logs (default workdirs/studies/<scale>)
+  --seeds     seeds per configuration (default: the scale's choice per study)
+  --parallel  stages run at once as subprocesses (GPU: 6-8; CPU: 1)
+  --stop_after_minutes  start no stage after this long (split a study over jobs)
+  --set       data.path=... and other settings that do not change results
+  --list      print the runs and their stages' commands, run nothing
+  --report_only  write the reports from the results there are
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from darl_jax.studies import catalog
+from darl_jax.studies import report as report_lib
+from darl_jax.studies import runner as runner_lib
+from darl_jax.studies import spec as S
+
+_STUDY = flags.DEFINE_string("study", None, "Study names, comma-separated, or 'all'.")
+_SCALE = flags.DEFINE_string("scale", "fmnist", "tiny | fmnist | imagenet")
+_OUT = flags.DEFINE_string("out", None, "Results and reports folder.")
+_WORK = flags.DEFINE_string("work", None, "Stage workdirs folder.")
+_SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per configuration; 0 = the scale's default.")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "Stages at once (subprocesses when > 1).")
+_STOP = flags.DEFINE_float("stop_after_minutes", 0.0, "Start no stage after this many minutes.")
+_SET = flags.DEFINE_multi_string("set", [], "key=value for every stage (paths, not settings).")
+_LIST = flags.DEFINE_bool("list", False, "Print runs and commands; run nothing.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only write the reports.")
+_STAGE = flags.DEFINE_string("stage", None, "(internal) run this one stage id in-process.")
+
+
+def studies(names: str, scale: S.Scale, seeds: int) -> list[S.Study]:
+  if not names:
+    raise ValueError(f"--study is required; valid: all, {', '.join(catalog.STUDIES)}")
+  chosen = list(catalog.STUDIES) if names == "all" else names.split(",")
+  return [catalog.get_study(n, scale, seeds) for n in chosen]
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  scale = S.get_scale(_SCALE.value)
+  out = _OUT.value or f"reports/studies/{scale.name}"
+  work = _WORK.value or f"workdirs/studies/{scale.name}"
+  chosen = studies(_STUDY.value, scale, _SEEDS.value)
+  runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
+  stages = []
+  for study in chosen:
+    stages += [s for s in study.stages() if s.id not in {t.id for t in stages}]
+
+  if _STAGE.value:
+    (stage,) = [s for s in stages if s.id == _STAGE.value] or [None]
+    if stage is None:
+      raise ValueError(f"stage {_STAGE.value} is not part of --study={_STUDY.value}")
+    _compilation_cache(runner)
+    runner.run_stage(stage)
+    return
+
+  if _LIST.value:
+    for study in chosen:
+      print(f"# {study.name}: {len(study.runs)} runs, {len(study.stages())} stages")
+      for run in study.runs:
+        print(f"{run.name}: {' -> '.join(s.id for s in run.stages)}")
+    print(f"# {len(stages)} distinct stages; {len(runner.plan(stages))} to run")
+    for s in runner.plan(stages):
+      print(runner.command(s))
+    return
+
+  failed = []
+  if not _REPORT_ONLY.value:
+    _compilation_cache(runner)
+    child_args = [f"--study={_STUDY.value}", f"--scale={scale.name}", f"--out={runner.out}",
+                  f"--work={runner.work}", f"--seeds={_SEEDS.value}"]
+    child_args += [f"--set={s}" for s in _SET.value]
+    failed = runner.run(stages, parallel=_PARALLEL.value,
+                        stop_after_minutes=_STOP.value, child_args=child_args)
+  for study in chosen:
+    records, missing = runner_lib.records(runner, study)
+    seeds = _SEEDS.value or scale.seeds.get(study.name, 1)
+    commands = [runner.command(s).replace(str(runner.work), "<work>")
+                for s in study.stages()]
+    path = report_lib.write(study, records, runner.out / study.name, scale=scale.name,
+                            seeds=seeds, missing=missing, commands=commands)
+    print(f"{study.name}: {len(records)}/{len(study.runs)} runs complete; report {path}")
+  if failed:
+    print(f"{len(failed)} stage(s) failed or were not started: {', '.join(failed)}",
+          file=sys.stderr)
+    sys.exit(1)
+
+
+def _compilation_cache(runner) -> None:
+  """One persistent XLA cache for all stages (repeated shapes compile once)."""
+  import jax
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(runner.work / "jax_cache"))
+
+
+def cli():
+  logging.set_verbosity(logging.INFO)
+  try:
+    app.run(main)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  cli()

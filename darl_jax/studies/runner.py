@@ -1,0 +1,207 @@
+"""Resumable execution of a study's stages.
+
+Layout (``out`` is committed-size: JSON and reports; ``work`` holds the
+stages' workdirs with checkpoints and logs):
+
+    <out>/stages/<stage id>.json   one per finished stage: metrics, seconds, command
+    <out>/<study>/README.md        the report (tables, plots, commands)
+    <work>/<stage id>/             the stage's --workdir
+    <work>/<stage id>.log          its output when run as a subprocess
+
+A stage is done when its JSON exists; only missing stages run, so a killed
+study reruns only what is missing, and a stage killed midway resumes from its
+own checkpoint (the shared train loop's resume). A stage whose parent's
+checkpoint is gone (another machine, a cleaned work folder) reruns the parent
+first. Fine-tuning, probe and supervised stages delete their checkpoints when
+done; pretraining stages keep their last one for later downstream stages.
+
+``parallel > 1`` runs up to that many stages at once as subprocesses (a
+small model leaves most of a GPU idle; each process gets an equal share of
+its memory), in dependency order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import logging
+
+from darl_jax import metrics as metrics_lib
+from darl_jax.studies import spec as S
+
+
+class Runner:
+
+  def __init__(self, out, work, extra: dict | None = None):
+    self.out = pathlib.Path(out).resolve()
+    self.work = pathlib.Path(work).resolve()
+    self.extra = dict(extra or {})
+
+  # ------------------------------------------------------------- state
+
+  def result_path(self, stage: S.Stage) -> pathlib.Path:
+    return self.out / "stages" / f"{stage.id}.json"
+
+  def workdir(self, stage: S.Stage) -> pathlib.Path:
+    return self.work / stage.id
+
+  def result(self, stage: S.Stage) -> dict | None:
+    path = self.result_path(stage)
+    return json.loads(path.read_text()) if path.exists() else None
+
+  def has_checkpoint(self, stage: S.Stage) -> bool:
+    ckpt = self.workdir(stage) / "checkpoints"
+    return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+
+  def plan(self, stages: list[S.Stage]) -> list[S.Stage]:
+    """The stages to run, parents first: every stage without a result, and
+    every parent whose checkpoint such a stage needs but which is gone."""
+    todo: dict[str, S.Stage] = {}
+
+    def need(stage: S.Stage):
+      if stage.parent is not None and not self.has_checkpoint(stage.parent):
+        need(stage.parent)
+      todo.setdefault(stage.id, stage)
+
+    for stage in stages:
+      if self.result(stage) is None:
+        need(stage)
+    order = [s.id for s in stages]
+    return sorted(todo.values(), key=lambda s: order.index(s.id) if s.id in order else -1)
+
+  def command(self, stage: S.Stage) -> str:
+    parent = str(self.workdir(stage.parent)) if stage.parent else ""
+    return S.command(stage, str(self.workdir(stage)), parent, self.extra)
+
+  # ---------------------------------------------------------- execution
+
+  def run_stage(self, stage: S.Stage) -> dict:
+    """Runs one stage in this process and records its result."""
+    from darl_jax import main
+    from darl_jax.train import loop
+    parent = str(self.workdir(stage.parent)) if stage.parent else ""
+    config = S.load_config(stage, self.extra, init_from=parent)
+    workdir = self.workdir(stage)
+    logging.info("study stage %s: %s", stage.id, self.command(stage))
+    start = time.time()
+    loop.run(main.get_trainer(config.trainer)(config), config, str(workdir))
+    metrics = final_metrics(str(workdir))
+    result = {"id": stage.id, "kind": stage.kind, "config": stage.config,
+              "overrides": stage.override_dict(), "parent": stage.parent.id if stage.parent
+              else None, "metrics": metrics, "seconds": round(time.time() - start, 1),
+              "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": self.command(stage)}
+    _write_json(self.result_path(stage), result)
+    if stage.kind != "pretrain":
+      shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+    return result
+
+  def run(self, stages: list[S.Stage], *, parallel: int = 1, stop_after_minutes: float = 0,
+          child_args: list[str] | None = None) -> list[str]:
+    """Runs ``plan(stages)``; returns the ids of stages that failed or were
+    not started (deadline, failed parent)."""
+    todo = self.plan(stages)
+    logging.info("%d of %d stages to run", len(todo), len(stages))
+    deadline = time.time() + 60 * stop_after_minutes if stop_after_minutes > 0 else None
+    pending = {s.id: s for s in todo}
+    by_id = dict(pending)
+    running: dict[str, tuple] = {}
+    failed: list[str] = []
+
+    def ready(stage):
+      return stage.parent is None or (stage.parent.id not in pending
+                                      and stage.parent.id not in running
+                                      and self.has_checkpoint(stage.parent))
+
+    while pending or running:
+      out_of_time = deadline is not None and time.time() > deadline
+      for sid, stage in list(pending.items()):
+        if out_of_time or len(running) >= max(parallel, 1):
+          break
+        if stage.parent is not None and stage.parent.id in failed:
+          failed.append(sid)
+          del pending[sid]
+          continue
+        if not ready(stage):
+          continue
+        del pending[sid]
+        if parallel <= 1:
+          try:
+            self.run_stage(stage)
+          except Exception as e:  # pylint: disable=broad-except
+            logging.exception("stage %s failed", sid)
+            print(f"stage {sid} failed: {e}", file=sys.stderr)
+            failed.append(sid)
+        else:
+          running[sid] = self._spawn(stage, parallel, child_args or [])
+      if out_of_time and not running:
+        break
+      if running:
+        time.sleep(0.5)
+      for sid, (proc, log, started) in list(running.items()):
+        if proc.poll() is None:
+          continue
+        log.close()
+        del running[sid]
+        if proc.returncode != 0 or self.result(by_id[sid]) is None:
+          failed.append(sid)
+          print(f"stage {sid} failed (exit {proc.returncode}); see {log.name}",
+                file=sys.stderr)
+        else:
+          logging.info("stage %s done in %.0f s", sid, time.time() - started)
+      if not running and pending and not out_of_time and not any(
+          ready(s) or (s.parent is not None and s.parent.id in failed)
+          for s in pending.values()):
+        raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
+    return failed + sorted(pending)
+
+  def _spawn(self, stage: S.Stage, parallel: int, child_args: list[str]):
+    self.work.mkdir(parents=True, exist_ok=True)
+    log = open(self.work / f"{stage.id}.log", "w")
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
+    proc = subprocess.Popen([sys.executable, "-m", "darl_jax.studies", *child_args,
+                             f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env)
+    return proc, log, time.time()
+
+
+def final_metrics(workdir: str) -> dict:
+  """The last value of the final loss and of every ``val_*`` metric."""
+  out = {}
+  for record in metrics_lib.read_metrics(workdir):
+    for key, value in record.items():
+      if key.startswith("val_") or key == "loss":
+        out[key] = value
+  return out
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+  """Written whole or not at all: a killed writer leaves no half file."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=list))
+  os.replace(tmp, path)
+
+
+def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
+  """(report records of the complete runs, names of incomplete runs)."""
+  out, missing = [], []
+  for run in study.runs:
+    results = [runner.result(s) for s in run.stages]
+    if any(r is None for r in results):
+      missing.append(run.name)
+      continue
+    metrics = {}
+    for stage, result in zip(run.stages, results):
+      metrics.update({f"{stage.kind}/{k}": v for k, v in result["metrics"].items()})
+    metrics.update({f"last/{k}": v for k, v in results[-1]["metrics"].items()})
+    out.append({"labels": run.labels, "metrics": metrics})
+  return out, missing

@@ -1,0 +1,332 @@
+"""Stages, runs, studies and the scales they run at.
+
+A ``Stage`` is one ``python -m darl_jax.main`` job: an experiment config
+(``"experiments/x.py:arg=1"``) and a dict of config overrides (the
+``--config.<key>=<value>`` flags), plus optionally the stage whose workdir it
+starts from (``config.init_from``). Its id is a hash of exactly these, so two
+runs (or two studies) that need the same pretraining share one job and one
+result; results are keyed by stage id.
+
+A ``Run`` is a chain of stages with the labels that place it in the study's
+tables (``{"posenc": "rope2d", "protocol": "darl", "seed": 0}``). A ``Study``
+is its runs plus how to report them (``report.Table``, ``report.Plot``).
+
+A ``Scale`` says which configs and lengths a study uses: ``tiny`` (seconds on
+CPU, for tests), ``fmnist`` (Fashion-MNIST, minutes on one GPU: the numbers in
+docs/STUDIES.md) and ``imagenet`` (the paper's setting with ViT-B/16; the same
+studies, other configs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import pathlib
+import runpy
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  kind: str                      # "pretrain", "finetune", "supervised", "probe"
+  config: str                    # experiment file[:arg], relative to the repository
+  overrides: tuple = ()          # sorted ((key, value), ...)
+  parent: "Stage | None" = None  # its workdir becomes config.init_from
+
+  @property
+  def id(self) -> str:
+    """``<kind>-<hash of the resolved config and the parent's id>``: two stages
+    that resolve to the same config share one job, however they were written."""
+    blob = json.dumps({"config": _resolved(self.config, self.overrides),
+                       "parent": self.parent.id if self.parent else None}, sort_keys=True)
+    return f"{self.kind}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+  def override_dict(self) -> dict:
+    return dict(self.overrides)
+
+
+def stage(kind: str, config: str, *override_dicts: dict, parent: Stage | None = None) -> Stage:
+  """A stage whose overrides are the union of ``override_dicts`` (later wins)."""
+  merged: dict = {}
+  for d in override_dicts:
+    merged.update(d)
+  return Stage(kind, config, tuple(sorted((k, _freeze(v)) for k, v in merged.items())), parent)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(config: str, overrides: tuple) -> str:
+  return json.dumps(load_config(Stage("", config, overrides)).to_dict(), sort_keys=True,
+                    default=repr)
+
+
+def _freeze(value):
+  return tuple(value) if isinstance(value, list) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  labels: dict
+  stages: tuple[Stage, ...]
+
+  @property
+  def name(self) -> str:
+    return ",".join(f"{k}={v}" for k, v in self.labels.items())
+
+
+@dataclasses.dataclass
+class Study:
+  name: str
+  title: str
+  paper: str                     # the paper's finding / numbers, markdown
+  runs: list[Run]
+  tables: list = dataclasses.field(default_factory=list)
+  plots: list = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    names = [r.name for r in self.runs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+      raise ValueError(f"study {self.name!r} has runs with the same labels: {dupes}")
+
+  def stages(self) -> list[Stage]:
+    """Every distinct stage, parents before children."""
+    out, seen = [], set()
+
+    def add(s: Stage):
+      if s.parent is not None:
+        add(s.parent)
+      if s.id not in seen:
+        seen.add(s.id)
+        out.append(s)
+
+    for run in self.runs:
+      for s in run.stages:
+        add(s)
+    return out
+
+
+# ------------------------------------------------------------------- scales
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """Configs, lengths and sweep values of one size of the studies."""
+  name: str
+  pretrain_mse: str
+  pretrain_diff: str
+  finetune: str
+  supervised: str
+  probe: str
+  common: dict                   # overrides for every stage
+  pretrain: dict                 # overrides for pretraining stages (length, ...)
+  downstream: dict               # overrides for fine-tune / supervised stages
+  supervised_overrides: dict     # and on top of those for supervised stages
+  probe_overrides: dict
+  length_key: str                # "total_steps" or "total_epochs"
+  lengths: tuple                 # training-length study
+  model_family: str              # variant size name; patch sizes are appended
+  patch: int                     # the default patch size
+  patch_sizes: tuple             # noise-schedule study: (small, large)
+  beta_grid: tuple               # noise-schedule study: values of a and b
+  eval_size: int                 # positional-encoding study: larger resolution
+  ordering_image: dict           # ordering study: image size / patch overrides
+  ordering_blocks: tuple
+  two_stream_lengths: tuple
+  model_sizes: dict              # scaling study: name -> model overrides
+  decoder_depths: tuple
+  seeds: dict                    # study name -> default number of seeds
+
+  def variant(self, patch: int | None = None) -> str:
+    return f"{self.model_family}/{patch or self.patch}"
+
+
+_FMNIST_MODEL = {"model.width": 128, "model.depth": 4, "model.num_heads": 4,
+                 "model.mlp_dim": 512}
+
+SCALES = {
+    # Seconds per stage on CPU: exercises every study's wiring, not its findings.
+    "tiny": Scale(
+        name="tiny",
+        pretrain_mse="experiments/fashion_mnist_mse.py",
+        pretrain_diff="experiments/fashion_mnist_diff.py",
+        finetune="experiments/fashion_mnist_finetune.py:light",
+        supervised="experiments/supervised_fashion_mnist.py",
+        probe="experiments/fashion_mnist_linear_probe.py",
+        common={"batch_size": 16, "eval_max_batches": 1, "log_every_steps": 1,
+                "checkpoint_every_steps": 1000, "keep_checkpoints": 1,
+                "model.width": 32, "model.depth": 2, "model.num_heads": 2,
+                "model.mlp_dim": 64},
+        pretrain={"total_steps": 3, "eval_every_steps": 3, "predictions.num_images": 0,
+                  "optim.warmup_steps": 1},
+        downstream={"total_steps": 2, "eval_every_steps": 2, "optim.warmup_steps": 1},
+        supervised_overrides={},
+        probe_overrides={"total_steps": 2, "eval_every_steps": 2, "optim.warmup_steps": 1},
+        length_key="total_steps", lengths=(2, 4),
+        model_family="Ti", patch=4, patch_sizes=(4, 7), beta_grid=(0.1, 10.0),
+        eval_size=36,
+        ordering_image={"data.image_size": 16, "model.image_size": 16, "model.variant": "Ti/2"},
+        ordering_blocks=(2, 4), two_stream_lengths=(2, 4),
+        model_sizes={"S": {"model.width": 16, "model.num_heads": 2, "model.mlp_dim": 32},
+                     "M": {"model.width": 32, "model.num_heads": 2, "model.mlp_dim": 64}},
+        decoder_depths=(1, 2),
+        seeds={}),
+    # Fashion-MNIST on one GPU: each stage under a minute; docs/STUDIES.md.
+    "fmnist": Scale(
+        name="fmnist",
+        pretrain_mse="experiments/fashion_mnist_mse.py",
+        pretrain_diff="experiments/fashion_mnist_diff.py",
+        finetune="experiments/fashion_mnist_finetune.py:light",
+        supervised="experiments/supervised_fashion_mnist.py",
+        probe="experiments/fashion_mnist_linear_probe.py",
+        common={"batch_size": 256, "eval_max_batches": 0, "log_every_steps": 50,
+                "checkpoint_every_steps": 100_000, "keep_checkpoints": 1, **_FMNIST_MODEL},
+        pretrain={"total_steps": 600, "eval_every_steps": 100_000,
+                  "predictions.num_images": 0, "optim.warmup_steps": 60},
+        # The light recipe (no RandAugment / mixup / crops) for fine-tuning and
+        # the supervised baseline alike: a few hundred steps are too short for
+        # the heavy one to pay off (docs/RESULTS.md).
+        downstream={"total_steps": 300, "eval_every_steps": 100_000,
+                    "optim.warmup_steps": 30, "data.augment": "none",
+                    "randaugment.num_ops": 0, "mixup.mixup_alpha": 0.0,
+                    "mixup.cutmix_alpha": 0.0},
+        # As many optimizer steps as pretraining + fine-tuning.
+        supervised_overrides={"total_steps": 900, "optim.warmup_steps": 90},
+        probe_overrides={"total_steps": 300, "eval_every_steps": 100_000},
+        length_key="total_steps", lengths=(300, 600, 1200, 2400),
+        model_family="Ti", patch=4, patch_sizes=(4, 7), beta_grid=(0.1, 1.0, 10.0),
+        eval_size=48,
+        # 32 x 32 images in 2 x 2 patches: a 16 x 16 grid, the paper's 256 / 16.
+        ordering_image={"data.image_size": 32, "model.image_size": 32, "model.variant": "Ti/2"},
+        ordering_blocks=(2, 4, 8), two_stream_lengths=(600, 2400),
+        model_sizes={"S": {"model.width": 64, "model.depth": 4, "model.num_heads": 2,
+                           "model.mlp_dim": 256},
+                     "M": dict(_FMNIST_MODEL),
+                     "L": {"model.width": 192, "model.depth": 6, "model.num_heads": 6,
+                           "model.mlp_dim": 768}},
+        decoder_depths=(1, 2, 4),
+        seeds={"positional_encoding": 2, "readout": 2, "training_length": 2,
+               "patch_decoder": 1, "noise_schedule": 1, "ordering": 1, "scaling": 1}),
+    # The paper's setting (ViT-B/16 to keep the sweeps affordable; the configs
+    # give L/16 and H/14 too). Not run here: hundreds of TPU-days.
+    "imagenet": Scale(
+        name="imagenet",
+        pretrain_mse="experiments/vit_b16_mse.py",
+        pretrain_diff="experiments/vit_b16_diff.py",
+        finetune="experiments/finetune_in1k.py:variant=B/16,epochs=50",
+        supervised="experiments/supervised_in1k.py:variant=B/16",
+        probe="experiments/linear_probe_in1k.py:variant=B/16",
+        common={"keep_checkpoints": 1},
+        pretrain={"total_epochs": 100.0},
+        downstream={},
+        supervised_overrides={},
+        probe_overrides={},
+        length_key="total_epochs", lengths=(100.0, 200.0, 400.0, 800.0),
+        model_family="B", patch=16, patch_sizes=(16, 56),
+        beta_grid=(0.1, 0.3, 1.0, 3.0, 10.0), eval_size=384,
+        ordering_image={"data.image_size": 256, "model.image_size": 256},
+        ordering_blocks=(2, 4, 8), two_stream_lengths=(100.0, 400.0),
+        model_sizes={"B": {"model.variant": "B/16"}, "L": {"model.variant": "L/16"},
+                     "H": {"model.variant": "H/14"}},
+        decoder_depths=(1, 2, 4, 8),
+        seeds={}),
+}
+
+
+def get_scale(name: str) -> Scale:
+  if name not in SCALES:
+    raise ValueError(f"unknown study scale {name!r}; valid: {', '.join(SCALES)}")
+  return SCALES[name]
+
+
+# --------------------------------------------------------- configs and flags
+
+
+def load_config(stage_: Stage, extra: dict | None = None, init_from: str = ""):
+  """The stage's ConfigDict: the experiment file, its overrides, ``extra``
+  (command-line ``--set`` values) and ``init_from``."""
+  path, _, arg = stage_.config.partition(":")
+  file = pathlib.Path(path)
+  if not file.is_absolute() and not file.exists():
+    file = ROOT / path
+  if not file.exists():
+    raise FileNotFoundError(f"stage config {path!r} not found (relative to the current "
+                            f"directory or {ROOT})")
+  config = runpy.run_path(str(file))["get_config"](arg or None)
+  overrides = stage_.override_dict()
+  overrides.update(extra or {})
+  if init_from:
+    overrides["init_from"] = init_from
+  apply_overrides(config, overrides)
+  return config
+
+
+def apply_overrides(config, overrides: dict) -> None:
+  """``{"model.posenc": "none"}`` -> ``config.model.posenc = "none"``; an unknown
+  key fails naming the valid ones, as the command line does."""
+  for dotted, value in overrides.items():
+    keys = dotted.split(".")
+    node = config
+    for i, key in enumerate(keys):
+      if not hasattr(node, "keys") or key not in node:
+        where = ".".join(keys[:i]) or "the config"
+        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+        raise ValueError(f"override {dotted}: {where} has no key {key!r}; valid keys "
+                         f"there: {valid}")
+      if i < len(keys) - 1:
+        node = node[key]
+    old = node[keys[-1]]
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if isinstance(old, (tuple, list)) and isinstance(value, (tuple, list)):
+      value = type(old)(value)
+    node[keys[-1]] = value
+
+
+# ``--set`` says where things are and how they are computed, not what is
+# trained, so it is not part of a stage's id; keys that change results are
+# refused (write them into the scale instead).
+ENVIRONMENT_KEYS = ("data.path", "data.tfds_data_dir", "data.backend", "eval_batch_size",
+                    "model.attention_impl")
+
+
+def parse_set(items) -> dict:
+  """``["data.path=/x"]`` -> typed dict (int, float, bool, str)."""
+  out = {}
+  for item in items or ():
+    key, eq, raw = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"--set takes key=value, got {item!r}")
+    if key not in ENVIRONMENT_KEYS:
+      raise ValueError(f"--set {key}: only {', '.join(ENVIRONMENT_KEYS)} may be set for a "
+                       "whole study (they do not change what a stage computes)")
+    out[key] = _literal(raw)
+  return out
+
+
+def _literal(raw: str) -> Any:
+  if raw.lower() in ("true", "false"):
+    return raw.lower() == "true"
+  for cast in (int, float):
+    try:
+      return cast(raw)
+    except ValueError:
+      pass
+  return raw
+
+
+def command(stage_: Stage, workdir: str, parent_workdir: str = "", extra: dict | None = None) -> str:
+  """The equivalent ``python -m darl_jax.main`` command line."""
+  flags = dict(stage_.override_dict())
+  flags.update(extra or {})
+  if parent_workdir:
+    flags["init_from"] = parent_workdir
+  parts = ["python -m darl_jax.main", f"--config={stage_.config}", f"--workdir={workdir}"]
+  for key, value in flags.items():
+    if isinstance(value, tuple):
+      value = "(" + ",".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
+    parts.append(f"--config.{key}={value}")
+  return " ".join(parts)
