@@ -88,13 +88,12 @@ def main(argv):
   for study in chosen:
     records, missing = runner_lib.records(runner, study)
     seeds = _SEEDS.value or scale.seeds.get(study.name, 1)
-    commands = [runner.command(s).replace(str(runner.work), "<work>")
-                for s in study.stages()]
+    commands = [runner.command(s, portable=True) for s in study.stages()]
     path = report_lib.write(study, records, runner.out / study.name, scale=scale.name,
                             seeds=seeds, missing=missing, commands=commands)
     print(f"{study.name}: {len(records)}/{len(study.runs)} runs complete; report {path}")
   if failed:
-    print(f"{len(failed)} stage(s) failed or were not started: {', '.join(failed)}",
+    print(f"{len(failed)} stage(s) failed: {', '.join(failed)} (logs in {runner.work})",
           file=sys.stderr)
     sys.exit(1)
 

@@ -23,7 +23,10 @@ def pretrain(scale: S.Scale, objective: str, seed: int, *arch: dict) -> S.Stage:
 
 
 def finetune(scale: S.Scale, parent: S.Stage, seed: int, *arch: dict) -> S.Stage:
-  return S.stage("finetune", scale.finetune, scale.common, scale.downstream, *arch,
+  # Layer-wise lr decay counts the backbone's blocks: follow a depth override.
+  depth = [d["model.depth"] for d in (scale.common,) + arch if "model.depth" in d]
+  layers = {"optim.num_layers": depth[-1]} if depth else {}
+  return S.stage("finetune", scale.finetune, scale.common, scale.downstream, *arch, layers,
                  {"seed": seed}, parent=parent)
 
 

@@ -147,7 +147,7 @@ def table_markdown(table: Table, records: list[dict]) -> str:
       for c in col_vals:
         values, where_best = best.get(rk + (c,), ([], ()))
         cell = fmt(metric, values)
-        if where_best and values:
+        if values and any(v != "-" for v in where_best):
           cell += " @ " + ",".join(f"{k}={v}" for k, v in zip(table.best_over, where_best))
         row.append(cell)
       body.append(row)

@@ -76,7 +76,12 @@ class Runner:
     order = [s.id for s in stages]
     return sorted(todo.values(), key=lambda s: order.index(s.id) if s.id in order else -1)
 
-  def command(self, stage: S.Stage) -> str:
+  def command(self, stage: S.Stage, portable: bool = False) -> str:
+    """The stage's ``darl_jax.main`` command; ``portable``: workdirs under
+    ``<work>`` and without the ``--set`` values (paths of this machine)."""
+    if portable:
+      parent = f"<work>/{stage.parent.id}" if stage.parent else ""
+      return S.command(stage, f"<work>/{stage.id}", parent)
     parent = str(self.workdir(stage.parent)) if stage.parent else ""
     return S.command(stage, str(self.workdir(stage)), parent, self.extra)
 
@@ -97,7 +102,7 @@ class Runner:
               "overrides": stage.override_dict(), "parent": stage.parent.id if stage.parent
               else None, "metrics": metrics, "seconds": round(time.time() - start, 1),
               "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": self.command(stage)}
+              "command": self.command(stage, portable=True)}
     _write_json(self.result_path(stage), result)
     if stage.kind != "pretrain":
       shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
@@ -105,8 +110,8 @@ class Runner:
 
   def run(self, stages: list[S.Stage], *, parallel: int = 1, stop_after_minutes: float = 0,
           child_args: list[str] | None = None) -> list[str]:
-    """Runs ``plan(stages)``; returns the ids of stages that failed or were
-    not started (deadline, failed parent)."""
+    """Runs ``plan(stages)``; returns the ids of the stages that failed (or
+    whose parent failed). Stages left for the deadline are logged."""
     todo = self.plan(stages)
     logging.info("%d of %d stages to run", len(todo), len(stages))
     deadline = time.time() + 60 * stop_after_minutes if stop_after_minutes > 0 else None
@@ -160,7 +165,10 @@ class Runner:
           ready(s) or (s.parent is not None and s.parent.id in failed)
           for s in pending.values()):
         raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
-    return failed + sorted(pending)
+    if pending:
+      print(f"{len(pending)} stage(s) not started (--stop_after_minutes); rerun to continue",
+            file=sys.stderr)
+    return failed
 
   def _spawn(self, stage: S.Stage, parallel: int, child_args: list[str]):
     self.work.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,233 @@
+"""Studies: sweep expansion, shared stages, resume-only-missing, reports."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from darl_jax.models import vit as vit_lib
+from darl_jax.studies import catalog
+from darl_jax.studies import report as R
+from darl_jax.studies import runner as runner_lib
+from darl_jax.studies import spec as S
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = S.get_scale("tiny")
+
+
+# ------------------------------------------------------------------ expansion
+
+
+@pytest.mark.parametrize("scale", sorted(S.SCALES))
+def test_every_study_expands_to_valid_configs(scale):
+  sc = S.get_scale(scale)
+  for name in catalog.STUDIES:
+    study = catalog.get_study(name, sc)
+    assert study.runs and study.tables
+    for stage in study.stages():
+      config = S.load_config(stage)            # unknown override keys raise here
+      assert config.trainer == {"pretrain": "pretrain", "finetune": "finetune",
+                                "probe": "linear_probe",
+                                "supervised": "supervised"}[stage.kind]
+      vit_lib.vit_from_config(config.model)    # patch size divides the image, ...
+      if stage.parent is not None:
+        parent = S.load_config(stage.parent)
+        for key in ("width", "depth", "num_heads", "mlp_dim", "variant", "posenc"):
+          assert config.model[key] == parent.model[key], (name, key)
+
+
+def test_noise_schedule_sweep_is_the_grid_for_each_patch_size():
+  study = catalog.get_study("noise_schedule", TINY)
+  grid = TINY.beta_grid
+  assert len(study.runs) == len(TINY.patch_sizes) * (1 + len(grid) ** 2)
+  seen = set()
+  for run in study.runs:
+    pre, ft = run.stages
+    assert ft.parent is pre and ft.kind == "finetune"
+    c = S.load_config(pre)
+    assert c.model.variant == f"Ti/{run.labels['patch']}"
+    if run.labels["objective"] == "diffusion":
+      assert (c.loss.kind, c.loss.noise_a, c.loss.noise_b) == (
+          "diffusion", run.labels["a"], run.labels["b"])
+      seen.add((run.labels["patch"], run.labels["a"], run.labels["b"]))
+    else:
+      assert c.loss.kind == "mse"
+  assert len(seen) == len(TINY.patch_sizes) * len(grid) ** 2
+
+
+def test_seeds_multiply_runs_and_reach_every_stage():
+  one = catalog.get_study("readout", TINY, seeds=1)
+  two = catalog.get_study("readout", TINY, seeds=2)
+  assert len(two.runs) == 2 * len(one.runs)
+  assert {S.load_config(s).seed for s in two.stages()} == {0, 1}
+
+
+def test_equal_configs_share_one_stage_across_runs_and_studies():
+  readout = catalog.get_study("readout", TINY)
+  assert len(readout.runs) == 4 and len(readout.stages()) == 5   # one pretraining
+  posenc = catalog.get_study("positional_encoding", TINY)
+  darl_rope2d = [r for r in posenc.runs if r.labels["posenc"] == "rope2d"
+                 and r.labels["protocol"].startswith("DARL")][0]
+  # rope2d is the config's default: written or not, the same stage.
+  assert darl_rope2d.stages[0].id == readout.runs[0].stages[0].id
+  other = catalog.pretrain(TINY, "mse", 0, {"model.posenc": "rope1d"})
+  assert other.id != darl_rope2d.stages[0].id
+
+
+def test_unknown_names_and_keys_fail_with_the_valid_ones():
+  with pytest.raises(ValueError, match="valid: positional_encoding, patch_decoder"):
+    catalog.get_study("posenc", TINY)
+  with pytest.raises(ValueError, match="valid: tiny, fmnist, imagenet"):
+    S.get_scale("huge")
+  bad = S.stage("pretrain", TINY.pretrain_mse, {"model.posenk": "none"})
+  with pytest.raises(ValueError, match="model has no key 'posenk'.*posenc"):
+    S.load_config(bad)
+  with pytest.raises(ValueError, match="only data.path"):
+    S.parse_set(["batch_size=8"])
+  assert S.parse_set(["data.path=/d", "eval_batch_size=64"]) == {
+      "data.path": "/d", "eval_batch_size": 64}
+
+
+# ------------------------------------------------------------------ execution
+
+
+def _spy(monkeypatch):
+  ran = []
+  original = runner_lib.Runner.run_stage
+
+  def run_stage(self, stage):
+    ran.append(stage.id)
+    return original(self, stage)
+
+  monkeypatch.setattr(runner_lib.Runner, "run_stage", run_stage)
+  return ran
+
+
+def test_study_runs_resumes_only_what_is_missing_and_reports(tmp_path, monkeypatch):
+  study = catalog.get_study("readout", TINY)
+  stages = study.stages()
+  pre = stages[0]
+  runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
+  ran = _spy(monkeypatch)
+  assert runner.run(stages) == []
+  assert ran == [s.id for s in stages] and pre.kind == "pretrain"
+  for s in stages:
+    result = runner.result(s)
+    assert 0.0 <= result["metrics"]["val_accuracy" if s.kind == "finetune" else "val_loss"]
+    assert "<work>/" in result["command"] and str(tmp_path) not in result["command"]
+  assert runner.has_checkpoint(pre)                             # kept for later stages
+  assert not any(runner.has_checkpoint(s) for s in stages[1:])  # downstream: deleted
+
+  # Everything done: nothing runs.
+  ran.clear()
+  assert runner.run(stages) == [] and ran == []
+
+  # A lost result reruns that stage alone; the others are untouched.
+  before = {s.id: runner.result_path(s).stat().st_mtime_ns for s in stages}
+  runner.result_path(stages[2]).unlink()
+  runner.run(stages)
+  assert ran == [stages[2].id]
+  assert all(runner.result_path(s).stat().st_mtime_ns == before[s.id]
+             for s in stages if s is not stages[2])
+
+  # A missing stage whose parent's checkpoint is gone reruns the parent first.
+  ran.clear()
+  runner.result_path(stages[3]).unlink()
+  import shutil
+  shutil.rmtree(runner.workdir(pre) / "checkpoints")
+  assert [s.id for s in runner.plan(stages)] == [pre.id, stages[3].id]
+  runner.run(stages)
+  assert ran == [pre.id, stages[3].id]
+
+  # The report: one row per mask, one column per read-out, the runs' numbers.
+  records, missing = runner_lib.records(runner, study)
+  assert missing == [] and len(records) == 4
+  path = R.write(study, records, tmp_path / "out" / study.name, scale="tiny", seeds=1,
+                 missing=missing, commands=[runner.command(s, portable=True) for s in stages])
+  text = path.read_text()
+  assert "| masking | readout=mean | readout=last |" in text
+  full_last = [r for r in records if r["labels"]["masking"] == "full"
+               and r["labels"]["readout"] == "last"][0]
+  value = 100 * full_last["metrics"]["last/val_accuracy"]
+  assert f"| full | " in text and f"{value:.1f} |" in text
+  assert text.count("python -m darl_jax.main") == len(stages)
+
+
+def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
+  out, work = tmp_path / "out", tmp_path / "work"
+  args = [sys.executable, "-m", "darl_jax.studies", "--study=readout", "--scale=tiny",
+          f"--out={out}", f"--work={work}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  listed = subprocess.run(args + ["--list"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, check=True).stdout
+  assert "# 5 distinct stages; 5 to run" in listed
+  # The pretraining and two fine-tunings done: two fine-tunings left, run at once.
+  study = catalog.get_study("readout", TINY)
+  stages = study.stages()
+  runner = runner_lib.Runner(out, work)
+  for s in stages[:3]:
+    runner.run_stage(s)
+  done = subprocess.run(args + ["--parallel=2"], capture_output=True, text=True, cwd=ROOT,
+                        env=env)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "readout: 4/4 runs complete" in done.stdout
+  assert sorted(p.name for p in work.glob("*.log")) == sorted(
+      f"{s.id}.log" for s in stages[3:])
+  assert (out / "readout" / "README.md").exists()
+
+
+def test_a_failed_parent_fails_its_children_and_the_rest_goes_on(tmp_path, monkeypatch):
+  study = catalog.get_study("ordering", TINY)
+  bad_parent = S.stage("pretrain", TINY.pretrain_mse, TINY.common, TINY.pretrain,
+                       {"model.variant": "Ti/5"})      # 28 is not divisible by 5
+  child = catalog.finetune(TINY, bad_parent, 0)
+  good = study.stages()[:1]
+  runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
+  failed = runner.run([bad_parent, child] + good)
+  assert failed == [bad_parent.id, child.id]
+  assert runner.result(good[0]) is not None
+
+
+# --------------------------------------------------------------------- report
+
+
+def _records():
+  out = []
+  for seed, (x0, x1) in enumerate([(0.80, 0.90), (0.82, 0.86)]):
+    for a, acc, loss in (("a1", x0, 0.3), ("a2", x1, 0.2)):
+      out.append({"labels": {"kind": "k", "a": a, "steps": 10 * (1 + seed), "seed": seed},
+                  "metrics": {"last/val_accuracy": acc, "pretrain/val_loss": loss + seed,
+                              "probe/val_accuracy_block_00": acc - 0.1,
+                              "probe/val_accuracy_block_01": acc}})
+  return out
+
+
+def test_tables_average_seeds_and_take_the_best_over_labels():
+  recs = _records()
+  t = R.table_markdown(R.Table("T", ("kind",), "a", ("last/val_accuracy",)), recs)
+  assert "| k | 81.0 ± 1.4 (2) | 88.0 ± 2.8 (2) |" in t
+  best = R.table_markdown(R.Table("B", ("kind",), None, ("last/val_accuracy",),
+                                  best_over=("a",)), recs)
+  assert "| k | 88.0 ± 2.8 (2) |" in best
+  missing = R.table_markdown(R.Table("M", ("kind",), "a", ("last/val_accuracy",),
+                                     where={"seed": 5}), recs)
+  assert missing.endswith("| kind |\n|---|")   # no matching runs: no rows, no columns
+  assert R.fmt("pretrain/val_loss", [0.25]) == "0.2500"
+  assert R.fmt("x/val_accuracy", []) == "—"
+
+
+def test_every_plot_kind_writes_a_png(tmp_path):
+  recs = _records()
+  specs = [R.Heatmap("H", "steps", "steps", "last/val_accuracy", facet="a"),
+           R.Lines("L", "steps", "a", "last/val_accuracy"),
+           R.Scatter("S", "pretrain/val_loss", "last/val_accuracy", "kind"),
+           R.DepthCurves("D", "probe/val_accuracy_block_", ("a", "seed"))]
+  for spec in specs:
+    path = tmp_path / f"{R.slug(spec.title)}.png"
+    note = R.plot(spec, recs, path)
+    assert path.stat().st_size > 1000
+    if isinstance(spec, R.Scatter):
+      assert note.startswith("kind=k: n=4, Pearson r=")
