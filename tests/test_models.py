@@ -269,6 +269,25 @@ def test_bad_config_errors_name_the_fix():
     darl_lib.darl_from_config(tiny_config(**{"decoder.kind": "transformer"}))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tq,tk", [(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (3, 2)])
+def test_short_attention_matches_jax_attention(tq, tk, dtype):
+  from darl_jax.models import attention
+  keys = jax.random.split(jax.random.PRNGKey(tq * 10 + tk), 4)
+  q = jax.random.normal(keys[0], (5, tq, 3, 8), dtype)
+  k, v = (jax.random.normal(r, (5, tk, 3, 8), dtype) for r in keys[1:3])
+  mask = jax.random.bernoulli(keys[3], 0.7, (5, 1, tq, tk)).at[..., 0].set(True)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  for causal in (False, True):
+    for m in (None, mask, jnp.broadcast_to(mask, (5, 3, tq, tk))):
+      want = jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=causal)
+      got = attention.short_attention(q, k, v, causal=causal, mask=m)
+      assert got.dtype == want.dtype
+      np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
+  # The dispatcher takes it for short key lengths only.
+  assert tk <= attention.SHORT_KEYS
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_cudnn_and_xla_attention_agree():
   from darl_jax.models import attention

@@ -26,6 +26,10 @@ def check_attention_impl(name: str) -> str:
   return name
 
 
+# Key lengths up to this use ``short_attention`` on the xla path.
+SHORT_KEYS = 4
+
+
 def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
                           mask: jax.Array | None = None) -> jax.Array:
   """``[B, T, H, D]`` attention through ``jax.nn.dot_product_attention``.
@@ -34,10 +38,41 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
   kernel on NVIDIA GPUs; it needs bf16/fp16 inputs and, on the cards we tried,
   an even sequence length (see docs). ``mask`` ([B or 1, 1 or H, Tq, Tk],
   True = attend) is combined with the causal mask when both are given.
+  Sequences of at most ``SHORT_KEYS`` keys (the two-token denoising decoder)
+  take ``short_attention`` on the xla path.
   """
   check_attention_impl(impl)
+  if impl == "xla" and k.shape[1] <= SHORT_KEYS:
+    return short_attention(q, k, v, causal=causal, mask=mask)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask, is_causal=causal, implementation=impl)
+
+
+def short_attention(q, k, v, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:
+  """Attention over a handful of keys as broadcast products and sums.
+
+  The same numbers as the xla path of ``jax.nn.dot_product_attention``
+  (float32 logits and softmax, probabilities cast to the value dtype), but
+  no batched matrix products: for the denoising decoder (2 tokens per patch,
+  batch x heads of 2x2 products) those run as tiny GEMMs that took as long
+  as all its real matrix multiplies (sampling profile, docs/SAMPLING.md);
+  as elementwise work XLA fuses them into a couple of memory-bound kernels.
+  """
+  t, s, d = q.shape[1], k.shape[1], q.shape[-1]
+  logits = jnp.sum(q[:, :, None].astype(jnp.float32) * k[:, None].astype(jnp.float32),
+                   axis=-1) * (d ** -0.5)                                  # [B, T, S, H]
+  keep = None
+  if causal:
+    keep = jnp.tril(jnp.ones((t, s), bool))[None, :, :, None]   # as jax.nn: top-left
+  if mask is not None:
+    m = jnp.transpose(jnp.asarray(mask, bool), (0, 2, 3, 1))               # [B, T, S, H]
+    keep = m if keep is None else keep & m
+  if keep is not None:
+    logits = jnp.where(keep, logits, -0.7 * jnp.finfo(jnp.float32).max)   # as jax.nn
+  probs = jax.nn.softmax(logits, axis=2).astype(v.dtype)
+  out = jnp.sum(probs[..., None].astype(jnp.float32) * v[:, None].astype(jnp.float32),
+                axis=2)                                                    # [B, T, H, D]
+  return out.astype(v.dtype)
 
 
 def project_qkv(x, num_heads: int, dtype, rope=None):

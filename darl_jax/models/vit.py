@@ -71,8 +71,11 @@ class Mlp(nn.Module):
   def __call__(self, x):
     width = x.shape[-1]
     h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
-    # Exact (erf) GELU as in the standard ViT, so exported weights behave the same.
-    h = nn.gelu(h, approximate=False)
+    # Exact (erf) GELU as in the standard ViT, so exported weights behave the
+    # same. Evaluated in float32 and cast back: no less accurate for bf16, and
+    # on GPU XLA then fuses it into one kernel instead of two (the denoising
+    # decoder's sampling loop ran 7% faster, docs/SAMPLING.md).
+    h = nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
     return nn.Dense(width, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc2")(h)
 
 
