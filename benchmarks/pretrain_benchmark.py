@@ -184,7 +184,13 @@ def main():
                       help="config override key=value (e.g. model.scan_layers=true)")
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--json", default="", help="also write the rows to this file")
+  parser.add_argument("--compile_cache", default="",
+                      help="persistent compilation cache folder: run twice to see a warm "
+                           "cache's compile time")
   args = parser.parse_args()
+  if args.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; overrides {args.set}")
   if args.check:

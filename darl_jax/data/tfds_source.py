@@ -138,6 +138,82 @@ def build(config: Any, *, split: str, seed: int,
                     data_dir=data_dir or default_data_dir(), name=tfds_name)
 
 
+class JpegPreprocess:
+  """Per-image host preprocessing of encoded images (JPEG fast path).
+
+  ``center(encoded)``: the evaluation crop (``crop_fraction`` of the shorter
+  side, centred) resized to ``image_shape``; ``random(encoded, seed)``: the
+  training crop (random-resized crop, area 0.2-1, ratio 3/4-4/3, then a flip),
+  a stateless function of ``seed``. JPEGs decode only the crop window. Shared
+  by ``TfdsSource`` and benchmarks/input_pipeline_benchmark.py.
+  """
+
+  def __init__(self, image_shape, src_channels: int, crop_fraction: float):
+    self._tf = import_tf()
+    self.image_shape = tuple(image_shape)
+    self._src_channels = int(src_channels)
+    self._crop_fraction = float(crop_fraction)
+
+  def _decode_crop(self, encoded, window_fn):
+    """Decodes only the crop window of a JPEG (other formats: full decode)."""
+    tf, c = self._tf, self._src_channels
+
+    def jpeg():
+      shape = tf.image.extract_jpeg_shape(encoded)
+      return tf.image.decode_and_crop_jpeg(
+          encoded, window_fn(shape[0], shape[1]), channels=c)
+
+    def other():
+      img = tf.io.decode_image(encoded, channels=c, expand_animations=False)
+      shape = tf.shape(img)
+      w = window_fn(shape[0], shape[1])
+      return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3], :]
+
+    return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
+
+  def _finish(self, img):
+    """uint8 crop [h, w, c] -> float32 [S, S, C] in [-1, 1]."""
+    tf = self._tf
+    size, _, channels = self.image_shape
+    img = tf.image.resize(img, [size, size], method="bilinear", antialias=True)
+    if self._src_channels == 1 and channels == 3:
+      img = tf.tile(img, [1, 1, 3])
+    elif self._src_channels == 3 and channels == 1:
+      img = tf.reduce_sum(img * tf.constant(_LUMA), axis=-1, keepdims=True)
+    img = tf.ensure_shape(img, self.image_shape)
+    return tf.clip_by_value(img / 127.5 - 1.0, -1.0, 1.0)
+
+  def center(self, encoded):
+    tf, frac = self._tf, self._crop_fraction
+
+    def window(h, w):
+      side = tf.cast(tf.round(frac * tf.cast(tf.minimum(h, w), tf.float32)),
+                     tf.int32)
+      side = tf.maximum(side, 1)
+      return tf.stack([(h - side) // 2, (w - side) // 2, side, side])
+
+    return self._finish(self._decode_crop(encoded, window))
+
+  def random(self, encoded, seed):
+    """Random-resized crop (area 0.2-1, ratio 3/4-4/3) + flip, stateless."""
+    tf = self._tf
+    crop_seed, flip_seed = tf.unstack(
+        tf.random.experimental.stateless_split(seed, 2))
+
+    def window(h, w):
+      begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+          tf.stack([h, w, self._src_channels]),
+          bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+          seed=crop_seed, min_object_covered=0.0,
+          aspect_ratio_range=CROP_RATIO, area_range=CROP_AREA,
+          max_attempts=10, use_image_if_no_bounding_boxes=True)
+      return tf.stack([begin[0], begin[1], size[0], size[1]])
+
+    img = self._finish(self._decode_crop(encoded, window))
+    flip = tf.random.stateless_uniform([], flip_seed) < 0.5
+    return tf.cond(flip, lambda: tf.reverse(img, [1]), lambda: img)
+
+
 class TfdsSource(DataSource):
   """A split of a TFDS builder's prepared data, batched with tf.data."""
 
@@ -164,7 +240,7 @@ class TfdsSource(DataSource):
     label = features["label"] if "label" in features else None
     self.num_classes = int(getattr(label, "num_classes", 0) or 0)
     self._has_label = label is not None
-    self._crop_fraction = float(crop_fraction)
+    self._preprocess = JpegPreprocess(self.image_shape, self._src_channels, crop_fraction)
     self._shuffle_buffer = int(cfg_get(config, "shuffle_buffer",
                                        DEFAULT_SHUFFLE_BUFFER))
     self._split = resolve_split(builder, split,
@@ -200,65 +276,6 @@ class TfdsSource(DataSource):
 
     return ds.map(select, num_parallel_calls=tf.data.AUTOTUNE)
 
-  def _decode_crop(self, encoded, window_fn):
-    """Decodes only the crop window of a JPEG (other formats: full decode)."""
-    tf, c = self._tf, self._src_channels
-
-    def jpeg():
-      shape = tf.image.extract_jpeg_shape(encoded)
-      return tf.image.decode_and_crop_jpeg(
-          encoded, window_fn(shape[0], shape[1]), channels=c)
-
-    def other():
-      img = tf.io.decode_image(encoded, channels=c, expand_animations=False)
-      shape = tf.shape(img)
-      w = window_fn(shape[0], shape[1])
-      return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3], :]
-
-    return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
-
-  def _finish(self, img):
-    """uint8 crop [h, w, c] -> float32 [S, S, C] in [-1, 1]."""
-    tf = self._tf
-    size, _, channels = self.image_shape
-    img = tf.image.resize(img, [size, size], method="bilinear", antialias=True)
-    if self._src_channels == 1 and channels == 3:
-      img = tf.tile(img, [1, 1, 3])
-    elif self._src_channels == 3 and channels == 1:
-      img = tf.reduce_sum(img * tf.constant(_LUMA), axis=-1, keepdims=True)
-    img = tf.ensure_shape(img, self.image_shape)
-    return tf.clip_by_value(img / 127.5 - 1.0, -1.0, 1.0)
-
-  def _center(self, encoded):
-    tf, frac = self._tf, self._crop_fraction
-
-    def window(h, w):
-      side = tf.cast(tf.round(frac * tf.cast(tf.minimum(h, w), tf.float32)),
-                     tf.int32)
-      side = tf.maximum(side, 1)
-      return tf.stack([(h - side) // 2, (w - side) // 2, side, side])
-
-    return self._finish(self._decode_crop(encoded, window))
-
-  def _random(self, encoded, seed):
-    """Random-resized crop (area 0.2-1, ratio 3/4-4/3) + flip, stateless."""
-    tf = self._tf
-    crop_seed, flip_seed = tf.unstack(
-        tf.random.experimental.stateless_split(seed, 2))
-
-    def window(h, w):
-      begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-          tf.stack([h, w, self._src_channels]),
-          bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-          seed=crop_seed, min_object_covered=0.0,
-          aspect_ratio_range=CROP_RATIO, area_range=CROP_AREA,
-          max_attempts=10, use_image_if_no_bounding_boxes=True)
-      return tf.stack([begin[0], begin[1], size[0], size[1]])
-
-    img = self._finish(self._decode_crop(encoded, window))
-    flip = tf.random.stateless_uniform([], flip_seed) < 0.5
-    return tf.cond(flip, lambda: tf.reverse(img, [1]), lambda: img)
-
   # -- batches --------------------------------------------------------------
 
   def _epoch_chunks(self, shard, epoch, skip, n_local, local, process_index):
@@ -276,9 +293,9 @@ class TfdsSource(DataSource):
     def prep(pos, ex):
       if spatial:
         seed = tf.stack([tf.constant(aug_key, tf.int64), pos])
-        img = self._random(ex["image"], seed)
+        img = self._preprocess.random(ex["image"], seed)
       else:
-        img = self._center(ex["image"])
+        img = self._preprocess.center(ex["image"])
       return {"image": img, "label": ex["label"]}
 
     ds = ds.map(prep, num_parallel_calls=tf.data.AUTOTUNE)
@@ -317,7 +334,7 @@ class TfdsSource(DataSource):
     shard = self._tfds.even_splits(self._split, process_count)[process_index]
     lo, hi = process_range(self.num_examples, process_index, process_count)
     ds = self._read(shard, shuffle_seed=None).take(hi - lo)
-    ds = ds.map(lambda ex: {"image": self._center(ex["image"]),
+    ds = ds.map(lambda ex: {"image": self._preprocess.center(ex["image"]),
                             "label": ex["label"]},
                 num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(local).prefetch(tf.data.AUTOTUNE)
