@@ -194,7 +194,9 @@ def _layer_id(path: str, num_layers: int) -> int:
     if m:
       i = int(m.group(1))
       if i >= num_layers:
-        raise ValueError(f"{path}: block {i} but optim.num_layers={num_layers}")
+        raise ValueError(f"{path}: block {i} but optim.num_layers={num_layers}; set "
+                         f"optim.num_layers to the backbone's depth (fine-tuning: 0 takes "
+                         f"it from the model)")
       return i + 1
   return num_layers + 1
 

@@ -1,0 +1,35 @@
+"""The benchmark scripts still run (CPU smoke runs; their numbers are for GPUs)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(script, *args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  return done.stdout
+
+
+def test_pretrain_benchmark_prints_a_row_per_case():
+  out = run("pretrain_benchmark.py", "--cases=mu/16:mse:2,mu/16:diffusion:2", "--timm_batch=0",
+            "--steps=2", "--warmup=1")
+  rows = [line for line in out.splitlines() if line.startswith("| mu/16")]
+  assert [r.split("|")[1].strip() for r in rows] == ["mu/16 mse", "mu/16 diffusion"]
+
+
+def test_sampling_benchmark_tiny():
+  out = run("sampling_benchmark.py", "--tiny", "--batch_sizes=1,2", "--steps=2",
+            "--repeats=1", "--dtype=float32")
+  assert "| 2 |" in out and "batch 1, seconds per image" in out
+
+
+def test_input_pipeline_benchmark_sizes_hosts():
+  out = run("input_pipeline_benchmark.py", "--threads=1", "--images=8", "--seconds=0.5",
+            "--batch=4", "--size=64", "--gpu_img_s=x=100")
+  assert "| 1 |" in out and "| x | 100 |" in out
