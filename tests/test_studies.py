@@ -231,3 +231,6 @@ def test_every_plot_kind_writes_a_png(tmp_path):
     assert path.stat().st_size > 1000
     if isinstance(spec, R.Scatter):
       assert note.startswith("kind=k: n=4, Pearson r=")
+  assert R.correlations([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]).endswith("r=-1.00, Spearman rho=-1.00")
+  assert R.correlations([1.0, 2.0, 3.0], [5.0, 5.0, 5.0]) == "n=3 (constant values)"
+  assert R.correlations([1.0, 2.0], [1.0, 2.0]).startswith("n=2 (too few")

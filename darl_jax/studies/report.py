@@ -10,7 +10,6 @@ cell reads ``mean ± std (n)``, the sample standard deviation over seeds.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import re
 
@@ -256,11 +255,12 @@ def correlations(x, y) -> str:
   """Pearson and Spearman correlation of two samples, as text."""
   if len(x) < 3:
     return f"n={len(x)} (too few points for a correlation)"
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if np.ptp(x) == 0 or np.ptp(y) == 0:
+    return f"n={len(x)} (constant values)"
   from scipy import stats
   pearson = stats.pearsonr(x, y)[0]
   spearman = stats.spearmanr(x, y)[0]
-  if math.isnan(pearson):
-    return f"n={len(x)} (constant values)"
   return f"n={len(x)}, Pearson r={pearson:.2f}, Spearman rho={spearman:.2f}"
 
 
