@@ -57,7 +57,7 @@ def positional_encoding(scale: S.Scale, seeds: int) -> S.Study:
       runs.append(S.Run({"posenc": pe, "protocol": "DARL (causal) + fine-tune", "seed": seed},
                         (pre, finetune(scale, pre, seed, arch, eval_at))))
   return S.Study(
-      "positional_encoding", "Positional encodings (paper Table 1)",
+      "positional_encoding", "Positional encodings (paper table \"positional encodings\")",
       paper="""
 ImageNet top-1, ViT-L/16. Supervised (200 epochs) / supervised + causal /
 MSE pretraining 400 epochs (causal) + 50 epochs fine-tuning:
@@ -93,7 +93,7 @@ def patch_decoder(scale: S.Scale, seeds: int) -> S.Study:
                              "gamma_cond": "yes" if cond else "no", "depth": depth,
                              "seed": seed}, (pre, finetune(scale, pre, seed))))
   return S.Study(
-      "patch_decoder", "Patch decoders (paper Table 2)",
+      "patch_decoder", "Patch decoders (paper table \"patch decoder\")",
       paper="""
 ImageNet top-1, ViT-L/16, 100 pretraining + 50 fine-tuning epochs; decoder
 depth 0 / 1 / 2 / 4 / 8 (0 = one linear layer): MSE + MLP 82.7 / 82.6 / 82.8 /
@@ -123,7 +123,7 @@ def noise_schedule(scale: S.Scale, seeds: int) -> S.Study:
           runs.append(S.Run({"patch": patch, "objective": "diffusion", "a": a, "b": b,
                              "seed": seed}, (pre, finetune(scale, pre, seed, arch))))
   return S.Study(
-      "noise_schedule", "Noise schedule: gamma ~ Beta(a, b) (paper Figure 3, Figure 5)",
+      "noise_schedule", "Noise schedule: gamma ~ Beta(a, b) (paper figures \"noise schedule\", \"patch size\")",
       paper="""
 ImageNet top-1 over a log grid of a, b in [0.1, 10] (100 + 50 epochs), for
 patch size 16 and 56. With 16x16 patches the best schedules put gamma near 0
@@ -154,7 +154,7 @@ def training_length(scale: S.Scale, seeds: int) -> S.Study:
     runs.append(S.Run({"objective": "diffusion (eps)", "length": mid, "seed": seed},
                       (pre, finetune(scale, pre, seed))))
   return S.Study(
-      "training_length", "MSE vs diffusion over training length; x0 vs eps (paper Figure 4)",
+      "training_length", "MSE vs diffusion over training length; x0 vs eps (paper figure \"training length\")",
       paper=f"""
 ImageNet top-1 after 100 to 800 pretraining epochs: MSE and diffusion
 (Beta(0.03, 1)) are level at 100 epochs and diffusion pulls ahead with longer
@@ -182,7 +182,7 @@ def readout(scale: S.Scale, seeds: int) -> S.Study:
         runs.append(S.Run({"masking": "causal" if causal else "full", "readout": head,
                            "seed": seed}, (pre, ft)))
   return S.Study(
-      "readout", "Read-out: attention mask x descriptor (paper Table 3)",
+      "readout", "Read-out: attention mask x descriptor (paper table \"read-out\")",
       paper="""
 ViT-L/16, MSE 100 epochs, fine-tuned 50 epochs: causal 81.5 (mean pool) /
 81.7 (last token); full attention 82.7 / 82.7. Fine-tuning without the causal
@@ -213,7 +213,7 @@ def ordering(scale: S.Scale, seeds: int) -> S.Study:
         runs.append(S.Run({"family": "two-stream", "ordering": order, "block": "-",
                            "length": length, "seed": seed}, (pre, finetune(scale, pre, seed))))
   return S.Study(
-      "ordering", "Patch orderings (paper Table 4, Figure 7)",
+      "ordering", "Patch orderings (paper table \"fixed order\", figure \"random order\")",
       paper="""
 MSE, 100 + 50 epochs, 256x256 images (16x16 patches of 16 pixels), blocks of
 2x2 / 4x4 / 8x8 patches: raster 83.3; nested raster 83.3 / 83.4 / 83.3;
@@ -247,7 +247,7 @@ def scaling(scale: S.Scale, seeds: int) -> S.Study:
           runs.append(S.Run({"objective": objective, "size": size, "length": length,
                              "seed": seed}, (pre, finetune(scale, pre, seed, arch))))
   return S.Study(
-      "scaling", "Validation loss vs downstream accuracy (paper appendix, Table 10)",
+      "scaling", "Validation loss vs downstream accuracy (paper appendix \"Scaling Behavior\")",
       paper="""
 Across ViT-B/L/H and training lengths, lower pretraining validation loss
 goes with higher fine-tuned accuracy, for MSE (0.194 -> 83.6 ... 0.158 -> 85.5)
