@@ -125,46 +125,54 @@ class Runner:
                                       and stage.parent.id not in running
                                       and self.has_checkpoint(stage.parent))
 
-    while pending or running:
-      out_of_time = deadline is not None and time.time() > deadline
-      for sid, stage in list(pending.items()):
-        if out_of_time or len(running) >= max(parallel, 1):
-          break
-        if stage.parent is not None and stage.parent.id in failed:
-          failed.append(sid)
-          del pending[sid]
-          continue
-        if not ready(stage):
-          continue
-        del pending[sid]
-        if parallel <= 1:
-          try:
-            self.run_stage(stage)
-          except Exception as e:  # pylint: disable=broad-except
-            logging.exception("stage %s failed", sid)
-            print(f"stage {sid} failed: {e}", file=sys.stderr)
+    try:
+      while pending or running:
+        out_of_time = deadline is not None and time.time() > deadline
+        for sid, stage in list(pending.items()):
+          if out_of_time or len(running) >= max(parallel, 1):
+            break
+          if stage.parent is not None and stage.parent.id in failed:
             failed.append(sid)
-        else:
-          running[sid] = self._spawn(stage, parallel, child_args or [])
-      if out_of_time and not running:
-        break
-      if running:
-        time.sleep(0.5)
-      for sid, (proc, log, started) in list(running.items()):
-        if proc.poll() is None:
-          continue
+            del pending[sid]
+            continue
+          if not ready(stage):
+            continue
+          del pending[sid]
+          if parallel <= 1:
+            try:
+              self.run_stage(stage)
+            except Exception as e:  # pylint: disable=broad-except
+              logging.exception("stage %s failed", sid)
+              print(f"stage {sid} failed: {e}", file=sys.stderr)
+              failed.append(sid)
+          else:
+            running[sid] = self._spawn(stage, parallel, child_args or [])
+        if out_of_time and not running:
+          break
+        if running:
+          time.sleep(0.5)
+        for sid, (proc, log, started) in list(running.items()):
+          if proc.poll() is None:
+            continue
+          log.close()
+          del running[sid]
+          if proc.returncode != 0 or self.result(by_id[sid]) is None:
+            failed.append(sid)
+            print(f"stage {sid} failed (exit {proc.returncode}); see {log.name}",
+                  file=sys.stderr)
+          else:
+            logging.info("stage %s done in %.0f s", sid, time.time() - started)
+        if not running and pending and not out_of_time and not any(
+            ready(s) or (s.parent is not None and s.parent.id in failed)
+            for s in pending.values()):
+          raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
+    finally:
+      # Interrupted (Ctrl-C, an error here): stop the stages still running;
+      # each resumes from its last checkpoint on the next run.
+      for proc, log, _ in running.values():
+        proc.terminate()
+        proc.wait()
         log.close()
-        del running[sid]
-        if proc.returncode != 0 or self.result(by_id[sid]) is None:
-          failed.append(sid)
-          print(f"stage {sid} failed (exit {proc.returncode}); see {log.name}",
-                file=sys.stderr)
-        else:
-          logging.info("stage %s done in %.0f s", sid, time.time() - started)
-      if not running and pending and not out_of_time and not any(
-          ready(s) or (s.parent is not None and s.parent.id in failed)
-          for s in pending.values()):
-        raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
     if pending:
       print(f"{len(pending)} stage(s) not started (--stop_after_minutes); rerun to continue",
             file=sys.stderr)
