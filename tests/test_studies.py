@@ -234,3 +234,35 @@ def test_every_plot_kind_writes_a_png(tmp_path):
   assert R.correlations([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]).endswith("r=-1.00, Spearman rho=-1.00")
   assert R.correlations([1.0, 2.0, 3.0], [5.0, 5.0, 5.0]) == "n=3 (constant values)"
   assert R.correlations([1.0, 2.0], [1.0, 2.0]).startswith("n=2 (too few")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+  out = []
+  for proc in pathlib.Path("/proc").iterdir():
+    try:
+      if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="ignore"):
+        out.append(int(proc.name))
+    except OSError:
+      pass
+  return out
+
+
+def test_sigterm_stops_the_running_stages_and_a_rerun_finishes(tmp_path):
+  import signal
+  import time
+  out, work = tmp_path / "out", tmp_path / "work"
+  args = [sys.executable, "-m", "darl_jax.studies", "--study=readout", "--scale=tiny",
+          f"--out={out}", f"--work={work}", "--parallel=2"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  parent = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while len(list(work.glob("finetune-*.log"))) < 2 and time.time() < deadline:
+    time.sleep(0.2)                       # the pretraining is done, fine-tunings started
+  assert len(_processes_mentioning(f"--work={work}")) >= 2     # the runner and its stages
+  parent.send_signal(signal.SIGTERM)
+  assert parent.wait(timeout=60) == 143
+  assert _processes_mentioning(f"--work={work}") == []          # no orphaned stages
+  assert len(list((out / "stages").glob("finetune-*.json"))) < 4
+  done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+  assert done.returncode == 0 and "readout: 4/4 runs complete" in done.stdout

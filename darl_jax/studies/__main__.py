@@ -18,6 +18,7 @@ resumes from its checkpoint).
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -78,6 +79,9 @@ def main(argv):
     return
 
   failed = []
+  # A scheduler's SIGTERM (preemption, timeout) unwinds like Ctrl-C, so the
+  # runner stops the stages it started; all of them resume on the next run.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if not _REPORT_ONLY.value:
     _compilation_cache(runner)
     child_args = [f"--study={_STUDY.value}", f"--scale={scale.name}", f"--out={runner.out}",
