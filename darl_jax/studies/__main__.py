@@ -56,16 +56,14 @@ def main(argv):
   work = _WORK.value or f"workdirs/studies/{scale.name}"
   chosen = studies(_STUDY.value, scale, _SEEDS.value)
   runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
-  stages = []
-  for study in chosen:
-    stages += [s for s in study.stages() if s.id not in {t.id for t in stages}]
+  stages = S.distinct_stages([s for study in chosen for s in study.stages()])
 
   if _STAGE.value:
-    (stage,) = [s for s in stages if s.id == _STAGE.value] or [None]
-    if stage is None:
+    by_id = {s.id: s for s in stages}
+    if _STAGE.value not in by_id:
       raise ValueError(f"stage {_STAGE.value} is not part of --study={_STUDY.value}")
     _compilation_cache(runner)
-    runner.run_stage(stage)
+    runner.run_stage(by_id[_STAGE.value])
     return
 
   if _LIST.value:

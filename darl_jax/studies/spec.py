@@ -94,19 +94,21 @@ class Study:
 
   def stages(self) -> list[Stage]:
     """Every distinct stage, parents before children."""
-    out, seen = [], set()
+    return distinct_stages([s for run in self.runs for s in run.stages])
 
-    def add(s: Stage):
-      if s.parent is not None:
-        add(s.parent)
-      if s.id not in seen:
-        seen.add(s.id)
-        out.append(s)
 
-    for run in self.runs:
-      for s in run.stages:
-        add(s)
-    return out
+def distinct_stages(stages) -> list[Stage]:
+  """``stages`` and their parents, each id once, parents before children."""
+  out: dict[str, Stage] = {}
+
+  def add(s: Stage):
+    if s.parent is not None:
+      add(s.parent)
+    out.setdefault(s.id, s)
+
+  for s in stages:
+    add(s)
+  return list(out.values())
 
 
 # ------------------------------------------------------------------- scales
