@@ -116,6 +116,7 @@ class FinetuneTrainer(loop.Trainer):
     if optim_cfg.get("layer_decay") and not optim_cfg.get("num_layers"):
       # The decay is per backbone block: default the depth from the variant.
       optim_cfg.num_layers = backbone_depth(config.model)
+    self._at_size = {}   # eval_image_sizes: size -> (eval source, jitted eval step)
 
   # -------------------------------------------------------------- data
 
@@ -199,8 +200,6 @@ class FinetuneTrainer(loop.Trainer):
     cfg = self.config
     if size == cfg.model.image_size:
       raise ValueError(f"eval_image_sizes holds the training size {size}; list other sizes")
-    if not hasattr(self, "_at_size"):
-      self._at_size = {}
     if size not in self._at_size:
       at = cfg.copy_and_resolve_references()
       with at.unlocked():
@@ -208,16 +207,9 @@ class FinetuneTrainer(loop.Trainer):
         at.model.image_size = size
         at.model.reference_image_size = (cfg.model.get("reference_image_size", 0)
                                          or cfg.model.image_size)
-      backbone, patch = vit_lib.vit_from_config(at.model)
-      resized = heads.Classifier(backbone=backbone, patch_size=patch,
-                                 num_classes=model.num_classes, readout=model.readout,
-                                 sos=model.sos)
+      resized = model.clone(backbone=vit_lib.vit_from_config(at.model)[0])
       source = self.make_source(at, at.data.eval_split, train=False)
-
-      def step(params, model_state, batch):
-        out = self.eval_fn(resized, params, model_state, batch, None)
-        return {"accuracy": jnp.sum(out["accuracy"] * batch["mask"].astype(jnp.float32))}
-
+      step = loop.make_eval_step(self, resized, jax.random.PRNGKey(cfg.seed))
       self._at_size[size] = (source, jax.jit(step))
     source, step = self._at_size[size]
     scores = loop.evaluate(self, None, state, source, step,

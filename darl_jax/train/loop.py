@@ -228,6 +228,20 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng) -> Callable
   return train_step
 
 
+def make_eval_step(trainer: Trainer, model, base_rng) -> Callable:
+  """The (unjitted) ``(params, model_state, batch) -> {metric: sum over the
+  batch's real rows}`` that ``evaluate`` averages. Its noise is fixed, so
+  evaluations are comparable between steps and runs."""
+
+  def eval_step(params, model_state, batch):
+    rng = jax.random.fold_in(base_rng, 2**31 - 2)
+    out = trainer.eval_fn(model, params, model_state, batch, rng)
+    mask = batch["mask"].astype(jnp.float32)
+    return {k: jnp.sum(v * mask) for k, v in out.items()}
+
+  return eval_step
+
+
 def init_state_fn(trainer: Trainer, model, tx, init_batch) -> Callable:
   """``rng -> state``: parameters, optimizer state, model state, counters."""
 
@@ -319,13 +333,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
   train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, None), donate_argnums=(0,))
 
-  def eval_step(params, model_state, batch):
-    rng = jax.random.fold_in(base_rng, 2**31 - 2)  # fixed noise: comparable numbers
-    out = trainer.eval_fn(model, params, model_state, batch, rng)
-    mask = batch["mask"].astype(jnp.float32)
-    return {k: jnp.sum(v * mask) for k, v in out.items()}
-
-  eval_step = jax.jit(eval_step)
+  eval_step = jax.jit(make_eval_step(trainer, model, base_rng))
 
   def check_finite(state, where: str):
     bad = int(jax.device_get(state["bad_step"]))
