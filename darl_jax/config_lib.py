@@ -88,6 +88,19 @@ def probe_eval_config() -> ml_collections.ConfigDict:
       "batch_size": 0})
 
 
+# The small ViT of every Fashion-MNIST experiment (7x7 patches of 4x4 pixels);
+# the fine-tune, probe and supervised configs repeat it so checkpoints load.
+FASHION_MNIST_MODEL = {"variant": "Ti/4", "width": 128, "depth": 4, "num_heads": 4,
+                       "mlp_dim": 512, "image_size": 28, "channels": 1, "posenc": "rope2d",
+                       "rope_max_wavelength": 100.0}
+
+
+def fashion_mnist_setup(c: ml_collections.ConfigDict, *, augment: str) -> None:
+  """Sets ``c.data`` to Fashion-MNIST 28x28 and ``c.model`` to FASHION_MNIST_MODEL."""
+  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment=augment)
+  c.model.update(**FASHION_MNIST_MODEL)
+
+
 def fashion_mnist_pretrain_config(steps: int) -> ml_collections.ConfigDict:
   """The small Fashion-MNIST DARL setup shared by experiments/fashion_mnist_*.py.
 
@@ -104,9 +117,7 @@ def fashion_mnist_pretrain_config(steps: int) -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 500
   c.eval_every_steps = 500
   c.eval_max_batches = 10
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512,
-                 image_size=28, channels=1, posenc="rope2d", rope_max_wavelength=100.0)
+  fashion_mnist_setup(c, augment="none")
   c.optim.update(base_lr=1e-3, warmup_steps=100, weight_decay=0.05)
   return c
 

@@ -30,11 +30,9 @@ def get_config(arg=None):
   c.log_every_steps = 25
   c.eval_every_steps = max(args.steps // 3, 1)
   c.checkpoint_every_steps = 500
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="spatial")
-  # Must match experiments/fashion_mnist_diff.py (the checkpoint's architecture).
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512, image_size=28,
-                 channels=1, posenc="rope2d", rope_max_wavelength=100.0, causal=False,
-                 drop_path=0.0)
+  # The checkpoint's architecture (experiments/fashion_mnist_diff.py).
+  config_lib.fashion_mnist_setup(c, augment="spatial")
+  c.model.update(causal=False, drop_path=0.0)
   c.optim.update(base_lr=1e-3, lr_scaling=False, layer_decay=0.75, num_layers=4,
                  warmup_steps=max(args.steps // 10, 1), weight_decay=0.05)
   if args.light:

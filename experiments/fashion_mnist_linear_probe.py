@@ -33,10 +33,8 @@ def get_config(arg=None):
   c.log_every_steps = 25
   c.eval_every_steps = max(args.steps // 3, 1)
   c.checkpoint_every_steps = 500
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="none")
-  # Must match experiments/fashion_mnist_diff.py (the checkpoint's architecture).
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512, image_size=28,
-                 channels=1, posenc="rope2d", rope_max_wavelength=100.0, causal=True,
-                 drop_path=0.0)
+  # The checkpoint's architecture (experiments/fashion_mnist_diff.py).
+  config_lib.fashion_mnist_setup(c, augment="none")
+  c.model.update(causal=True, drop_path=0.0)
   c.optim.update(base_lr=6.4, lr_scaling=False, warmup_steps=max(args.steps // 10, 1))
   return c

@@ -25,9 +25,7 @@ def get_config(arg=None):
   c.log_every_steps = 25
   c.eval_every_steps = max(args.steps // 3, 1)
   c.checkpoint_every_steps = 500
-  c.data.update(name="fashion_mnist", image_size=28, channels=1, augment="spatial")
-  c.model.update(variant="Ti/4", width=128, depth=4, num_heads=4, mlp_dim=512, image_size=28,
-                 channels=1, posenc=args.posenc, rope_max_wavelength=100.0,
-                 causal=args.causal, drop_path=0.1)
+  config_lib.fashion_mnist_setup(c, augment="spatial")
+  c.model.update(posenc=args.posenc, causal=args.causal, drop_path=0.1)
   c.optim.update(base_lr=1e-3, warmup_steps=max(args.steps // 10, 1))
   return c

@@ -27,6 +27,8 @@ import pathlib
 import runpy
 from typing import Any
 
+from darl_jax import config_lib
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -146,8 +148,8 @@ class Scale:
     return f"{self.model_family}/{patch or self.patch}"
 
 
-_FMNIST_MODEL = {"model.width": 128, "model.depth": 4, "model.num_heads": 4,
-                 "model.mlp_dim": 512}
+_FMNIST_MODEL = {f"model.{k}": config_lib.FASHION_MNIST_MODEL[k]
+                 for k in ("width", "depth", "num_heads", "mlp_dim")}
 
 SCALES = {
     # Seconds per stage on CPU: exercises every study's wiring, not its findings.
