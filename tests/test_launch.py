@@ -138,12 +138,17 @@ def test_tpu_vm_dry_run_copies_installs_and_runs_on_every_worker(capsys):
   assert remote.endswith("--config.batch_size=1024 > ~/darl_jax_run.log 2>&1 &")
 
 
-def test_tpu_vm_submit_path_with_a_stand_in_gcloud(tmp_path):
+def stand_in(tmp_path, tool: str, line: str) -> dict:
+  """An environment whose PATH finds a shell-script ``tool`` that runs ``line``."""
   fake = tmp_path / "bin"
   fake.mkdir()
-  (fake / "gcloud").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/args\n')
-  (fake / "gcloud").chmod(0o755)
-  env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+  (fake / tool).write_text(f"#!/bin/sh\n{line}\n")
+  (fake / tool).chmod(0o755)
+  return dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_tpu_vm_submit_path_with_a_stand_in_gcloud(tmp_path):
+  env = stand_in(tmp_path, "gcloud", f'printf "%s\\n" "$@" > {tmp_path}/args')
   proc = subprocess.run(
       [sys.executable, "launch/tpu_vm.py", "--tpu_name=t1", "--zone=z", "--steps=run",
        "--config=experiments/vit_b16_diff.py", f"--workdir={GCS}"],
@@ -197,11 +202,7 @@ def test_slurm_one_process_per_node_sees_all_gpus(capsys):
 
 
 def test_slurm_submit_path_with_a_stand_in_sbatch(tmp_path):
-  fake = tmp_path / "bin"
-  fake.mkdir()
-  (fake / "sbatch").write_text(f'#!/bin/sh\necho "$1" > {tmp_path}/submitted\n')
-  (fake / "sbatch").chmod(0o755)
-  env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+  env = stand_in(tmp_path, "sbatch", f'echo "$1" > {tmp_path}/submitted')
   proc = subprocess.run(
       [sys.executable, "launch/slurm.py", "--config=experiments/vit_l16_diff.py",
        "--workdir=/shared/l16", f"--log_dir={tmp_path}/logs", "--job_name=l16"],
