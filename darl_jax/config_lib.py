@@ -177,6 +177,22 @@ def check_resume_compatible(meta: dict, config) -> None:
                      + "; ".join(diffs) + "); use a new --workdir or restore the config")
 
 
+def config_node(config, dotted: str):
+  """``(parent, key)`` of the entry ``"a.b.c"`` of ``config``; a missing key is a
+  ValueError naming the valid keys at that level (the command line's and the
+  studies' override checks)."""
+  keys = dotted.split(".")
+  node = config
+  for i, key in enumerate(keys):
+    if not hasattr(node, "keys") or key not in node:
+      where = ".".join(keys[:i]) or "the config"
+      valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+      raise ValueError(f"{where} has no key {key!r}; valid keys there: {valid}")
+    if i < len(keys) - 1:
+      node = node[key]
+  return node, keys[-1]
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """``"variant=L/16,runlocal"`` -> ConfigDict, typed by the defaults.
 

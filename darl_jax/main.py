@@ -84,17 +84,14 @@ def _unknown_override(argv) -> str | None:
     return None
   path, _, arg = cfg_arg.partition(":")
   config = runpy.run_path(path)["get_config"](arg or None)
+  from darl_jax import config_lib
   for a in argv:
     if not a.startswith("--config."):
       continue
-    keys = a[len("--config."):].split("=", 1)[0].split(".")
-    node = config
-    for i, key in enumerate(keys):
-      if not hasattr(node, "keys") or key not in node:
-        where = ".".join(keys[:i]) or "the config"
-        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
-        return (f"{a}: {where} has no key {key!r}; valid keys there: {valid}")
-      node = node[key]
+    try:
+      config_lib.config_node(config, a[len("--config."):].split("=", 1)[0])
+    except ValueError as e:
+      return f"{a}: {e}"
   return None
 
 

@@ -272,22 +272,16 @@ def apply_overrides(config, overrides: dict) -> None:
   """``{"model.posenc": "none"}`` -> ``config.model.posenc = "none"``; an unknown
   key fails naming the valid ones, as the command line does."""
   for dotted, value in overrides.items():
-    keys = dotted.split(".")
-    node = config
-    for i, key in enumerate(keys):
-      if not hasattr(node, "keys") or key not in node:
-        where = ".".join(keys[:i]) or "the config"
-        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
-        raise ValueError(f"override {dotted}: {where} has no key {key!r}; valid keys "
-                         f"there: {valid}")
-      if i < len(keys) - 1:
-        node = node[key]
-    old = node[keys[-1]]
+    try:
+      node, key = config_lib.config_node(config, dotted)
+    except ValueError as e:
+      raise ValueError(f"override {dotted}: {e}") from None
+    old = node[key]
     if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
     if isinstance(old, (tuple, list)) and isinstance(value, (tuple, list)):
       value = type(old)(value)
-    node[keys[-1]] = value
+    node[key] = value
 
 
 # ``--set`` says where things are and how they are computed, not what is
