@@ -1,13 +1,24 @@
-"""Captures a jax.profiler trace of a few pretraining steps (for xprof / TensorBoard).
+"""Profiles a few pretraining steps: a kernel table, and a trace for xprof.
 
     python benchmarks/profile_step.py --case=L/16:mse:128 --out=/tmp/trace [--set key=value]
 
-Open the trace with xprof (``xprof --logdir=/tmp/trace``) or TensorBoard's
-profile plugin; the HLO op profile shows where a step's time goes.
+Prints the GPU kernels of one step (command buffers off, so each shows),
+grouped by kind and source op with the 24 or so blocks merged, longest first:
+time per step, launches, and for XLA fusions the bytes their operands and
+results occupy (from the compiled HLO) with the bandwidth that implies, so
+memory-bound kernels that run far under the card's bandwidth stand out (a
+fusion that slices its operand reads less than it is counted for). Also writes the step's
+compiled HLO (``step.hlo.txt``) and the trace (open with ``xprof
+--logdir=<out>`` or TensorBoard's profile plugin).
 """
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -18,14 +29,111 @@ import jax.numpy as jnp  # noqa: E402
 
 import pretrain_benchmark as bench  # noqa: E402
 
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
+               "u8": 1, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def _key(name: str) -> str:
+  return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in SHAPE.findall(text):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * DTYPE_BYTES[dtype]
+  return total
+
+
+def fusion_bytes(hlo_text: str) -> dict[str, tuple[int, str]]:
+  """Per instruction of the entry computation: (bytes read + written, i.e. its
+  result's size plus its operands', looked up by name; its source op name)."""
+  entry = hlo_text[hlo_text.find("ENTRY"):]
+  result, operands, source = {}, {}, {}
+  for line in entry.splitlines()[1:]:
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(?:, |$)", line)
+    if not m:
+      continue
+    name, shape, _, args = m.groups()
+    result[name] = _shape_bytes(shape)
+    operands[name] = re.findall(r"%([\w.\-]+)", args)
+    op = re.search(r'op_name="([^"]*)"', line)
+    source[name] = op.group(1) if op else ""
+  return {_key(n): (result[n] + sum(result.get(a, 0) for a in operands[n]), source[n])
+          for n in result}
+
+
+def _group(op: str, source: str) -> str:
+  """Kernels of the same kind at the same place of every block share a row."""
+  base = re.sub(r"[.\d]+$", "", op)
+  where = re.sub(r"block_\d+", "block_*", re.sub(r"^jit\([^)]*\)/", "", source))
+  return f"{base} @ {where}" if where else base
+
+
+def gpu_kernel_times(trace_dir: str):
+  """(total microseconds, launches, kernel name) per HLO op from a perfetto trace."""
+  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+  events = json.load(gzip.open(max(files, key=os.path.getmtime)))["traceEvents"]
+  pids = {e["pid"]: e["args"]["name"] for e in events
+          if e.get("ph") == "M" and e.get("name") == "process_name"}
+  total, count, names = collections.Counter(), collections.Counter(), {}
+  for e in events:
+    if e.get("ph") == "X" and "GPU" in pids.get(e["pid"], ""):
+      op = (e.get("args") or {}).get("hlo_op") or e["name"]
+      total[op] += e["dur"]
+      count[op] += 1
+      names[op] = e["name"]
+  return total, count, names
+
+
+def kernel_table(trace_dir: str, steps: int, hlo_text: str, top: int = 40) -> str:
+  total, count, names = gpu_kernel_times(trace_dir)
+  if not total:
+    return "no GPU kernels in the trace (not a GPU run?)"
+  info = fusion_bytes(hlo_text)
+  steps_total = sum(total.values())
+  groups = collections.defaultdict(lambda: [0.0, 0, 0])   # us, launches, bytes
+  kinds = collections.Counter()
+  for op, us in total.items():
+    nbytes, source = info.get(_key(op), (0, ""))
+    g = groups[_group(op, source)]
+    g[0] += us
+    g[1] += count[op]
+    g[2] += nbytes * count[op]
+    kind = ("attention" if re.search(r"cudnn|fmha|flash|dot_product_attention", op + names[op], re.I)
+            else "gemm" if re.search(r"gemm|cublas|nvjet|custom-call", op + names[op], re.I)
+            else "fusion/other")
+    kinds[kind] += us
+  lines = [f"GPU kernel time per step: {steps_total / steps / 1e3:.1f} ms"]
+  for kind, us in kinds.most_common():
+    lines.append(f"  {kind}: {us / steps / 1e3:.1f} ms/step ({us / steps_total:.0%})")
+  lines += ["", "| kernel @ source op (blocks merged) | ms/step | share | launches/step "
+            "| MB/launch | GB/s |", "|---|---|---|---|---|---|"]
+  for key, (us, n, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+    mb = f"{nbytes / n / 1e6:.1f}" if nbytes else "-"
+    bw = f"{nbytes / (us * 1e-6) / 1e9:.0f}" if nbytes else "-"
+    lines.append(f"| {key[:150]} | {us / steps / 1e3:.3f} | {us / steps_total:.1%} | "
+                 f"{n / steps:.0f} | {mb} | {bw} |")
+  return "\n".join(lines)
+
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--case", default="L/16:mse:128")
   parser.add_argument("--out", required=True)
   parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args()
+  # Without command buffers (CUDA graphs) the trace shows each kernel, not one
+  # graph launch per step; the step itself runs a little slower this way.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_enable_command_buffer=").strip()
   variant, objective, batch = args.case.split(":")
   config = bench.build(variant, objective, int(batch), args.set)
   _, state, step = bench.make_step(config)
@@ -33,14 +141,21 @@ def main():
   x = {"image": jax.random.uniform(jax.random.PRNGKey(1), (int(batch), size, size, 3),
                                    jnp.float32, -1, 1),
        "label": jnp.zeros((int(batch),), jnp.int32)}
+  compiled = step.lower(state, x).compile()
+  hlo = compiled.as_text()
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
+    f.write(hlo)
   for _ in range(3):
-    state, m = step(state, x)
+    state, m = compiled(state, x)
   jax.block_until_ready(m["loss"])
-  with jax.profiler.trace(args.out):
-    for _ in range(args.steps):
-      state, m = step(state, x)
-    jax.block_until_ready(m["loss"])
-  print("trace written to", args.out)
+  jax.profiler.start_trace(args.out, create_perfetto_trace=True)
+  for _ in range(args.steps):
+    state, m = compiled(state, x)
+  jax.block_until_ready(m["loss"])
+  jax.profiler.stop_trace()
+  print(kernel_table(args.out, args.steps, hlo, args.top))
+  print("trace and step.hlo.txt written to", args.out)
 
 
 if __name__ == "__main__":

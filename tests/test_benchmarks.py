@@ -33,3 +33,34 @@ def test_input_pipeline_benchmark_sizes_hosts():
   out = run("input_pipeline_benchmark.py", "--threads=1", "--images=8", "--seconds=0.5",
             "--batch=4", "--size=64", "--gpu_img_s=x=100")
   assert "| 1 |" in out and "| x | 100 |" in out
+
+
+def test_block_bench_and_profile_step_run():
+  out = run("block_bench.py", "--variant=mu/16", "--batch=2", "--reps=1",
+            "--only=copy,colsum,gelu,block")
+  assert "| block fwd+bwd |" in out and "| gelu fwd+bwd [N,F] |" in out
+  out = run("profile_step.py", "--case=mu/16:mse:2", "--steps=1",
+            f"--out={ROOT / 'benchmarks' / '.profile_smoke'}")
+  assert "no GPU kernels" in out and "step.hlo.txt written" in out
+
+
+def test_profile_step_counts_fusion_bytes_from_hlo():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import profile_step
+  hlo = """HloModule m
+
+%fused (p0: bf16[8,4]) -> f32[8,4] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+}
+
+ENTRY %main (a: bf16[8,4], b: f32[4]) -> f32[8,4] {
+  %a = bf16[8,4]{1,0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %loop_add_fusion.3 = f32[8,4]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused, metadata={op_name="jit(f)/block_07/mlp/add"}
+  ROOT %t = (f32[8,4]{1,0}) tuple(%loop_add_fusion.3)
+}
+"""
+  info = profile_step.fusion_bytes(hlo)
+  nbytes, source = info[profile_step._key("loop_add_fusion.3")]
+  assert nbytes == 8 * 4 * 4 + 8 * 4 * 2 + 4 * 4      # result + both operands
+  assert profile_step._group("loop_add_fusion.3", source) == "loop_add_fusion @ block_*/mlp/add"

@@ -331,3 +331,33 @@ def test_tiny_darl_overfits_a_handful_of_images(over):
     losses.append(float(loss))
   start, end = np.mean(losses[:5]), np.mean(losses[-10:])
   assert end < 0.3 * start, (start, end)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gelu_exact_value_and_custom_gradient(dtype):
+  """The erf GELU against a float64 reference, and its hand-written backward
+  (which keeps only the input) against autodiff of jax's GELU, on random
+  inputs including the tails."""
+  import math
+  x = (jax.random.normal(jax.random.PRNGKey(0), (4096,)) * 4).astype(dtype)
+  g = jax.random.normal(jax.random.PRNGKey(1), (4096,)).astype(dtype)
+  x64 = np.asarray(x, np.float64)
+  exact = x64 * 0.5 * np.asarray([math.erfc(-v / math.sqrt(2)) for v in x64])
+  ours = np.asarray(vit.gelu_exact(x), np.float64)
+  if dtype == jnp.float32:
+    # 1 + erf cancels in the far negative tail (as in PyTorch): < 1e-6 absolute.
+    np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
+  else:   # within one bf16 rounding of the exact value
+    np.testing.assert_allclose(ours, exact, rtol=2 ** -8, atol=1e-6)
+  reference = lambda x: jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
+  grad = jax.vjp(vit.gelu_exact, x)[1](g)[0]
+  want = jax.vjp(reference, x)[1](g)[0]
+  assert grad.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want, np.float32),
+                             rtol=tol, atol=tol)
+  # And inside a larger jitted function.
+  loss = lambda x: jnp.sum(vit.gelu_exact(x).astype(jnp.float32) ** 2)
+  ref_loss = lambda x: jnp.sum(reference(x).astype(jnp.float32) ** 2)
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss))(x), np.float32),
+                             np.asarray(jax.grad(ref_loss)(x), np.float32), rtol=tol, atol=tol)
