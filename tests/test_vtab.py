@@ -158,4 +158,13 @@ def test_one_vtab_finetune_run_on_mocked_tfds(tmp_path):
   with tfds.testing.mock_data(num_examples=6):
     acc = vtab.run_one(cfg, tmp_path / "run")
   assert 0.0 <= acc <= 1.0
-  assert json.loads((tmp_path / "run" / "result.json").read_text())["eval_split"] == "test"
+  marker = tmp_path / "run" / "result.json"
+  assert json.loads(marker.read_text())["eval_split"] == "test"
+  # A torn marker (as a non-atomic writer killed half way would leave) is not
+  # taken as finished: the run resumes at its last checkpoint, which has no
+  # step left, takes the final accuracy from its metrics, and the marker is
+  # whole again.
+  marker.write_text('{"accur')
+  with tfds.testing.mock_data(num_examples=6):
+    assert vtab.run_one(cfg, tmp_path / "run") == pytest.approx(acc)
+  assert json.loads(marker.read_text())["accuracy"] == pytest.approx(acc)

@@ -23,7 +23,6 @@ its memory), in dependency order.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pathlib
 import shutil
@@ -33,6 +32,7 @@ import time
 
 from absl import logging
 
+from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax.studies import spec as S
 
@@ -54,7 +54,7 @@ class Runner:
 
   def result(self, stage: S.Stage) -> dict | None:
     path = self.result_path(stage)
-    return json.loads(path.read_text()) if path.exists() else None
+    return files.read_json_or_none(path)
 
   def has_checkpoint(self, stage: S.Stage) -> bool:
     ckpt = self.workdir(stage) / "checkpoints"
@@ -201,10 +201,7 @@ def final_metrics(workdir: str) -> dict:
 
 def _write_json(path: pathlib.Path, obj) -> None:
   """Written whole or not at all: a killed writer leaves no half file."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=list))
-  os.replace(tmp, path)
+  files.write_json_atomic(path, obj, indent=1, sort_keys=True, default=list)
 
 
 def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:

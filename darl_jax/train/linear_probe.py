@@ -35,7 +35,6 @@ closed-form ridge regression on frozen, mean-pooled final features.
 
 from __future__ import annotations
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,7 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 
 from darl_jax import config_lib
+from darl_jax import files
 from darl_jax import data as data_lib
 from darl_jax import patches as patches_lib
 from darl_jax import sharding as sharding_lib
@@ -204,7 +204,7 @@ class LinearProbeTrainer(loop.Trainer):
     logging.info("linear probe: best %s (depth %.2f) %.4f", report["best_block"],
                  report["best_depth"], report["best_accuracy"])
     if jax.process_index() == 0:
-      (ctx.workdir / "probe_accuracy.json").write_text(json.dumps(report, indent=1))
+      files.write_json_atomic(ctx.workdir / "probe_accuracy.json", report, indent=1)
       plot_probe_accuracy(report, str(ctx.workdir / "probe_accuracy.png"))
 
 

@@ -40,6 +40,7 @@ from PIL import Image
 
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
+from darl_jax import files
 from darl_jax import data as data_lib
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
@@ -164,7 +165,7 @@ class SampleTrainer(loop.Trainer):
     ctx.writer.write_images(0, {"samples": grid[None]})
     np.savez_compressed(str(workdir / "samples.npz"), images=images, labels=labels,
                         samples=samples, known=known)
-    (workdir / "sample_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    files.write_text_atomic(workdir / "sample_metrics.json", json.dumps(metrics, indent=2) + "\n")
     ctx.writer.write_scalars(0, metrics)
     logging.info("wrote %s/samples.png; metrics: %s", workdir,
                  {k: round(v, 4) for k, v in metrics.items()})

@@ -26,7 +26,6 @@ interpolate positions at the new resolution).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import jax
@@ -34,6 +33,7 @@ import numpy as np
 from absl import logging
 
 from darl_jax import checkpoint as checkpoint_lib
+from darl_jax import files
 from darl_jax import optim
 
 
@@ -146,4 +146,4 @@ def write_report(workdir, report: RestoreReport) -> None:
   """``<workdir>/init_report.json``: the three lists, for later inspection."""
   if jax.process_index() != 0:
     return
-  (workdir / "init_report.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+  files.write_json_atomic(workdir / "init_report.json", dataclasses.asdict(report), indent=1)

@@ -14,7 +14,9 @@ own sub-workdir::
 
 A sub-run with a ``result.json`` is finished and is skipped when the command
 is run again; an unfinished one resumes from its newest checkpoint (the
-loop's contract), so the whole suite is resumable at any point.
+loop's contract), so the whole suite is resumable at any point. Result files
+are written whole or not at all (``files.write_json_atomic``), so a kill
+never leaves a marker that claims a run finished or cannot be read.
 
 Fixed recipe (table "Hyperparameters for VTAB Experiments"): label smoothing
 0.1, AdamW (0.9, 0.95), batch 256, cosine, 20000 steps, causal attention.
@@ -32,7 +34,6 @@ Run: ``python -m darl_jax.train.vtab --config=experiments/vtab.py:task=all,init=
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from typing import Callable
 
@@ -41,6 +42,8 @@ from absl import app, flags, logging
 from etils import epath
 from ml_collections import config_flags
 
+from darl_jax import files
+from darl_jax import metrics as metrics_lib
 from darl_jax.data import vtab_tasks
 from darl_jax.train import finetune
 
@@ -118,12 +121,24 @@ def apply_point(config, point: dict, *, task: str, train_split: str, eval_split:
 def run_one(config, workdir: epath.Path) -> float:
   """Trains one fine-tuning run (resumable) -> its final ``val_accuracy``."""
   from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
-  done = workdir / "result.json"
-  if done.exists():
-    return float(json.loads(done.read_text())["accuracy"])
+  done = files.read_json_or_none(workdir / "result.json")
+  if done is not None and "accuracy" in done:
+    return float(done["accuracy"])
+  # Not marked finished (or the marker is unreadable): the loop resumes from
+  # the run's last checkpoint. A run killed after its last step but before
+  # the marker has nothing left to train; its final evaluation is then the
+  # last val_accuracy in its metrics.jsonl.
   last = loop.run(finetune.FinetuneTrainer(config), config, str(workdir))
+  if "val_accuracy" not in last:
+    logged = [r["val_accuracy"] for r in metrics_lib.read_metrics(str(workdir))
+              if r.get("val_accuracy") is not None]
+    if not logged:
+      raise RuntimeError(f"{workdir} finished training but logged no val_accuracy; "
+                         f"delete the folder to rerun it")
+    last = {"val_accuracy": logged[-1]}
   acc = float(last["val_accuracy"])
-  done.write_text(json.dumps({"accuracy": acc, "eval_split": config.data.eval_split}))
+  files.write_json_atomic(workdir / "result.json",
+                          {"accuracy": acc, "eval_split": config.data.eval_split})
   return acc
 
 
@@ -144,8 +159,7 @@ def run_task(config, workdir, task: str, runner: Callable = run_one) -> dict:
   test = runner(cfg, root / "final")
   result = {"task": task, "group": info.group, "val_accuracy": scores,
             "best": point_name(best), "best_point": best, "test_accuracy": test}
-  root.mkdir(parents=True, exist_ok=True)
-  (root / "result.json").write_text(json.dumps(result, indent=1))
+  files.write_json_atomic(root / "result.json", result, indent=1)
   logging.info("vtab %s: best %s, test %.4f", task, point_name(best), test)
   return result
 
@@ -184,8 +198,8 @@ def run_suite(config, workdir, runner: Callable = run_one) -> list[dict]:
   results = []
   for task in task_names(config.vtab.tasks):
     results.append(run_task(config, workdir, task, runner))
-    (workdir / "vtab_results.json").write_text(json.dumps(results, indent=1))
-    (workdir / "vtab_results.md").write_text(results_table(results))
+    files.write_json_atomic(workdir / "vtab_results.json", results, indent=1)
+    files.write_text_atomic(workdir / "vtab_results.md", results_table(results))
   return results
 
 
