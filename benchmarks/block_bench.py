@@ -113,18 +113,21 @@ def main():
   row("layernorm fwd+bwd [N,D]", ln_fwd_bwd, lambda: (rand(n, d), rand(n, d)),
       n * d * 2 * 4)
 
-  def gelu_fwd_bwd(h, dy):
-    y, vjp = jax.vjp(lambda h: nn.gelu(h.astype(jnp.float32), approximate=False)
-                     .astype(h.dtype), h)
-    return y, vjp(dy)
-  row("gelu fwd+bwd [N,F]", gelu_fwd_bwd, lambda: (rand(n, f), rand(n, f)), n * f * 2 * 4)
+  # The model's GELU (erf form, custom gradient) beside jax.nn.gelu's erfc
+  # form under autodiff, which it replaced (benchmarks/RESULTS.md).
+  erfc_gelu = lambda h: nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
+  for name, gelu in (("model", vit.gelu_exact), ("erfc autodiff", erfc_gelu)):
+    def gelu_fwd_bwd(h, dy, gelu=gelu):
+      y, vjp = jax.vjp(gelu, h)
+      return y, vjp(dy)
+    row(f"gelu fwd+bwd [N,F] ({name})", gelu_fwd_bwd, lambda: (rand(n, f), rand(n, f)),
+        n * f * 2 * 4)
 
-  def bias_gelu_fwd_bwd(h, b, dy):
-    y, vjp = jax.vjp(lambda h, b: nn.gelu((h + b).astype(jnp.float32), approximate=False)
-                     .astype(h.dtype), h, b)
-    return y, vjp(dy)
-  row("bias+gelu fwd+bwd [N,F]", bias_gelu_fwd_bwd,
-      lambda: (rand(n, f), rand(f), rand(n, f)), n * f * 2 * 4)
+    def bias_gelu_fwd_bwd(h, b, dy, gelu=gelu):
+      y, vjp = jax.vjp(lambda h, b: gelu(h + b), h, b)
+      return y, vjp(dy)
+    row(f"bias+gelu fwd+bwd [N,F] ({name})", bias_gelu_fwd_bwd,
+        lambda: (rand(n, f), rand(f), rand(n, f)), n * f * 2 * 4)
 
   # One transformer block, forward + backward, as the step runs it.
   block = vit.Block(variant.num_heads, variant.mlp_dim, causal=True,

@@ -38,7 +38,7 @@ def test_input_pipeline_benchmark_sizes_hosts():
 def test_block_bench_and_profile_step_run():
   out = run("block_bench.py", "--variant=mu/16", "--batch=2", "--reps=1",
             "--only=copy,colsum,gelu,block")
-  assert "| block fwd+bwd |" in out and "| gelu fwd+bwd [N,F] |" in out
+  assert "| block fwd+bwd |" in out and "| gelu fwd+bwd [N,F] (model) |" in out
   out = run("profile_step.py", "--case=mu/16:mse:2", "--steps=1",
             f"--out={ROOT / 'benchmarks' / '.profile_smoke'}")
   assert "no GPU kernels" in out and "step.hlo.txt written" in out
