@@ -4,8 +4,8 @@
 
 Each row is one jitted function on random bf16 inputs (rotated over 3 sets):
 its GPU kernel time per call from a profiler trace of ``--reps`` calls (so
-launch overhead is left out; on CPU, wall time), the bytes it must move (each input
-read once, each output written once) and the bandwidth that implies, beside
+launch overhead is left out; on CPU, wall time), the bytes it must move
+(each input read once, each output written once) and the bandwidth that implies, beside
 a plain copy that gives the card's practical bandwidth. Used to find which of
 the step's elementwise and reduction kernels run far under bandwidth
 (benchmarks/RESULTS.md, "Where the time goes") and to A/B replacements.
@@ -53,13 +53,8 @@ def bench(fn, inputs, reps):
   return sum(total.values()) / 1e6 / reps
 
 
-def nbytes(*arrays):
-  return sum(a.size * a.dtype.itemsize for a in arrays)
-
-
 def main():
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_gpu_enable_command_buffer=").strip()
+  profile_step.show_each_kernel()
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--variant", default="L/16")
   parser.add_argument("--batch", type=int, default=128)
@@ -102,7 +97,7 @@ def main():
     _, vjp = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
     return vjp(dy)
   row("dense fc1 bwd (dx, dW, db)", dense_vjp,
-      lambda: (rand(n, d), rand(d, f), rand(f), rand(n, f)), nbytes(rand(n, d)) * 2 + n * f * 2)
+      lambda: (rand(n, d), rand(d, f), rand(f), rand(n, f)), (2 * n * d + n * f) * 2)
 
   ln = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=jnp.bfloat16)
   ln_params = ln.init(jax.random.PRNGKey(0), jnp.zeros((1, d), jnp.bfloat16))

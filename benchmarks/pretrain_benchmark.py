@@ -50,10 +50,7 @@ def build(variant, objective, batch, overrides):
   config.model.attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   for item in overrides:
     key, value = item.split("=", 1)
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
+    node, leaf = config_lib.config_node(config, key)
     node[leaf] = type(node[leaf])(json.loads(value) if not isinstance(node[leaf], str)
                                   else value)
   return config

@@ -7,9 +7,9 @@ grouped by kind and source op with the 24 or so blocks merged, longest first:
 time per step, launches, and for XLA fusions the bytes their operands and
 results occupy (from the compiled HLO) with the bandwidth that implies, so
 memory-bound kernels that run far under the card's bandwidth stand out (a
-fusion that slices its operand reads less than it is counted for). Also writes the step's
-compiled HLO (``step.hlo.txt``) and the trace (open with ``xprof
---logdir=<out>`` or TensorBoard's profile plugin).
+fusion that slices its operand reads less than it is counted for). Also
+writes the step's compiled HLO (``step.hlo.txt``) and the trace (open with
+``xprof --logdir=<out>`` or TensorBoard's profile plugin).
 """
 
 import argparse
@@ -32,6 +32,14 @@ import pretrain_benchmark as bench  # noqa: E402
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
                "u8": 1, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def show_each_kernel() -> None:
+  """Turns XLA's command buffers (CUDA graphs) off, so a trace shows each
+  kernel rather than one graph launch per step (the step runs a little
+  slower this way). Call before JAX first touches the GPU."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_enable_command_buffer=").strip()
 
 
 def _key(name: str) -> str:
@@ -130,10 +138,7 @@ def main():
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args()
-  # Without command buffers (CUDA graphs) the trace shows each kernel, not one
-  # graph launch per step; the step itself runs a little slower this way.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_gpu_enable_command_buffer=").strip()
+  show_each_kernel()
   variant, objective, batch = args.case.split(":")
   config = bench.build(variant, objective, int(batch), args.set)
   _, state, step = bench.make_step(config)

@@ -267,6 +267,17 @@ def read_metrics(workdir: str) -> list[dict]:
   return records
 
 
+def final_metrics(workdir: str) -> dict:
+  """The last logged value of the training loss and of every ``val_*`` metric
+  in ``<workdir>/metrics.jsonl`` (what a finished run reports)."""
+  out = {}
+  for record in read_metrics(workdir):
+    for key, value in record.items():
+      if key.startswith("val_") or key == "loss":
+        out[key] = value
+  return out
+
+
 def format_duration(seconds: float) -> str:
   """``45s``, ``3m12s``, ``2h05m07s``; ``?`` if unknown."""
   if seconds is None or not math.isfinite(seconds) or seconds < 0:

@@ -97,7 +97,7 @@ class Runner:
     logging.info("study stage %s: %s", stage.id, self.command(stage))
     start = time.time()
     loop.run(main.get_trainer(config.trainer)(config), config, str(workdir))
-    metrics = final_metrics(str(workdir))
+    metrics = metrics_lib.final_metrics(str(workdir))
     result = {"id": stage.id, "kind": stage.kind, "config": stage.config,
               "overrides": stage.override_dict(), "parent": stage.parent.id if stage.parent
               else None, "metrics": metrics, "seconds": round(time.time() - start, 1),
@@ -187,16 +187,6 @@ class Runner:
                              f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
                             env=env)
     return proc, log, time.time()
-
-
-def final_metrics(workdir: str) -> dict:
-  """The last value of the final loss and of every ``val_*`` metric."""
-  out = {}
-  for record in metrics_lib.read_metrics(workdir):
-    for key, value in record.items():
-      if key.startswith("val_") or key == "loss":
-        out[key] = value
-  return out
 
 
 def _write_json(path: pathlib.Path, obj) -> None:

@@ -35,7 +35,6 @@ closed-form ridge regression on frozen, mean-pooled final features.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -45,8 +44,8 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 
 from darl_jax import config_lib
-from darl_jax import files
 from darl_jax import data as data_lib
+from darl_jax import files
 from darl_jax import patches as patches_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import mixup as mixup_lib

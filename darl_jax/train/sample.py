@@ -40,8 +40,8 @@ from PIL import Image
 
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
-from darl_jax import files
 from darl_jax import data as data_lib
+from darl_jax import files
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import loop

@@ -130,12 +130,10 @@ def run_one(config, workdir: epath.Path) -> float:
   # last val_accuracy in its metrics.jsonl.
   last = loop.run(finetune.FinetuneTrainer(config), config, str(workdir))
   if "val_accuracy" not in last:
-    logged = [r["val_accuracy"] for r in metrics_lib.read_metrics(str(workdir))
-              if r.get("val_accuracy") is not None]
-    if not logged:
+    last = metrics_lib.final_metrics(str(workdir))
+    if last.get("val_accuracy") is None:
       raise RuntimeError(f"{workdir} finished training but logged no val_accuracy; "
                          f"delete the folder to rerun it")
-    last = {"val_accuracy": logged[-1]}
   acc = float(last["val_accuracy"])
   files.write_json_atomic(workdir / "result.json",
                           {"accuracy": acc, "eval_split": config.data.eval_split})
