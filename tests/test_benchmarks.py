@@ -23,6 +23,19 @@ def test_pretrain_benchmark_prints_a_row_per_case():
   assert [r.split("|")[1].strip() for r in rows] == ["mu/16 mse", "mu/16 diffusion"]
 
 
+def test_pretrain_benchmark_target_status():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import pretrain_benchmark as bench
+  row = lambda case, mfu, ips: dict(case=case, mfu=mfu, img_s=ips)
+  assert bench.target_status(row("B/16 mse", 0.41, 1.0), None).startswith("met")
+  assert bench.target_status(row("B/16 mse", 0.39, 1.0), None).startswith("not met")
+  # L/16 needs both the MFU and 1.2x the fastest timm row.
+  assert bench.target_status(row("L/16 mse", 0.51, 1300), 1000).startswith("met")
+  assert bench.target_status(row("L/16 mse", 0.51, 1100), 1000).startswith("not met")
+  assert bench.target_status(row("L/16 mse", 0.45, 1300), 1000).startswith("not met")
+  assert bench.target_status(row("mu/16 mse", 0.1, 1.0), None) == ""
+
+
 def test_sampling_benchmark_tiny():
   out = run("sampling_benchmark.py", "--tiny", "--batch_sizes=1,2", "--steps=2",
             "--repeats=1", "--dtype=float32")
