@@ -36,6 +36,69 @@ def test_pretrain_benchmark_target_status():
   assert bench.target_status(row("mu/16 mse", 0.1, 1.0), None) == ""
 
 
+def _loss_and_grads(objective, params=None, rename=None):
+  """The mu/16 pretraining loss and its gradients (float32, xla attention)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import jax
+  import pretrain_benchmark as bench
+  from darl_jax.models import darl as darl_lib
+  from darl_jax.train import pretrain
+  config = bench.build("mu/16", objective, 2, ["model.dtype=float32",
+                                                "model.attention_impl=xla"])
+  config.model.image_size = 32
+  trainer = pretrain.PretrainTrainer(config)
+  model = darl_lib.darl_from_config(config)
+  x = jax.random.uniform(jax.random.PRNGKey(3), (2, 32, 32, 3), minval=-1, maxval=1)
+  if params is None:
+    params = model.init({"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(0)},
+                        x[:1], train=False)["params"]
+  if rename:
+    params = rename(params)
+  loss = lambda p: trainer.loss_fn(model, p, {}, {"image": x}, jax.random.PRNGKey(5),  # noqa: E731
+                                   False)[0]
+  return params, jax.value_and_grad(loss)(params)
+
+
+def test_lever_ab_variants_compute_the_same_loss_and_gradients():
+  """Each rejected variant is the model's function with another schedule: same
+  loss and same gradients (float32), so its timings compare like for like."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import jax
+  import numpy as np
+  import lever_ab
+
+  def ln_names(params):  # ln_mlp_recompute keeps norm2's parameters in the block
+    def fix(tree):
+      if isinstance(tree, dict):
+        out = {k: fix(v) for k, v in tree.items() if k != "norm2"}
+        if "norm2" in tree and "mlp" in tree:
+          out["norm2_scale"], out["norm2_bias"] = tree["norm2"]["scale"], tree["norm2"]["bias"]
+        elif "norm2" in tree:
+          out["norm2"] = fix(tree["norm2"])
+        return out
+      return tree
+    return fix(jax.tree_util.tree_map(lambda a: a, params))
+
+  for objective in ("mse", "diffusion"):
+    params, (loss, grads) = _loss_and_grads(objective)
+    for name in lever_ab.VARIANTS:
+      rename = ln_names if name == "ln_mlp_recompute" else None
+      with lever_ab.variant(name):
+        _, (loss_v, grads_v) = _loss_and_grads(objective, params, rename)
+      ref = rename(grads) if rename else grads
+      assert abs(float(loss_v) - float(loss)) < 1e-6 * max(1.0, abs(float(loss))), name
+      assert jax.tree_util.tree_structure(grads_v) == jax.tree_util.tree_structure(ref), name
+      for a, b in zip(jax.tree_util.tree_leaves(grads_v), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
+                                   err_msg=f"{name} {objective}")
+  try:
+    with lever_ab.variant("nope"):
+      pass
+    raise AssertionError("an unknown variant was accepted")
+  except ValueError as e:
+    assert "rope_vjp" in str(e)
+
+
 def test_sampling_benchmark_tiny():
   out = run("sampling_benchmark.py", "--tiny", "--batch_sizes=1,2", "--steps=2",
             "--repeats=1", "--dtype=float32")

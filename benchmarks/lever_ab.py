@@ -1,0 +1,290 @@
+"""A/B of step changes that were measured and not kept, for re-measuring.
+
+    python benchmarks/lever_ab.py --case=L/16:mse:256 --variants=base,rope_vjp,base,rope_vjp
+
+Each variant swaps one piece of the model for a version that computes the
+same function (gradients equal to float32 rounding; tests/test_benchmarks.py
+checks it) but is scheduled differently, then times the real pretraining step
+with pretrain_benchmark.run_case, all in one process so the rows compare.
+On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth
+session"); a new XLA may change that, which is why they are kept runnable:
+
+- ``mlp_recompute``: the MLP under one custom VJP that keeps only its input
+  and the pre-activation and recomputes GELU in the backward, so the GELU
+  output is never stored (XLA could then fuse GELU into the fc2 GEMMs).
+- ``ln_mlp_recompute``: the second LayerNorm and the MLP under one custom
+  VJP; the LayerNorm output is recomputed in the backward as well.
+- ``rope_vjp``: RoPE with a hand-written backward (the rotation by minus the
+  angle) instead of autodiff's slices and pads.
+- ``bias_gemv``: every dense layer's bias gradient as a ones-vector matrix
+  product (a cuBLAS GEMV) instead of a column sum fused into its producer.
+
+Parameter names and shapes stay those of the model (``ln_mlp_recompute``
+names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from unittest import mock
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+from darl_jax.models import attention as attention_lib  # noqa: E402
+from darl_jax.models import posenc, vit  # noqa: E402
+
+# ------------------------------------------------------------ MLP recompute
+
+
+def _dense(x, w, b):
+  return jnp.dot(x, w) + b
+
+
+def _weight_grad(x, g):
+  return jnp.dot(x.reshape(-1, x.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+
+
+def _bias_grad(g):
+  return jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 1))).astype(g.dtype)
+
+
+@jax.custom_vjp
+def mlp_recompute(x, w1, b1, w2, b2):
+  """fc2(gelu(fc1(x))); the backward recomputes GELU from the pre-activation."""
+  return _dense(vit.gelu_exact(_dense(x, w1, b1)), w2, b2)
+
+
+def _mlp_fwd(x, w1, b1, w2, b2):
+  pre = _dense(x, w1, b1)
+  return _dense(vit.gelu_exact(pre), w2, b2), (x, w1, w2, pre)
+
+
+def _mlp_grads(x, w1, w2, pre, g):
+  h = vit.gelu_exact(pre)
+  dpre = vit._gelu_exact_bwd(pre, jnp.dot(g, w2.T))[0]
+  return (jnp.dot(dpre, w1.T), _weight_grad(x, dpre), _bias_grad(dpre),
+          _weight_grad(h, g), _bias_grad(g))
+
+
+mlp_recompute.defvjp(_mlp_fwd, lambda res, g: _mlp_grads(*res, g))
+
+
+def _layer_norm(x, scale, bias):
+  """As flax's LayerNorm: float32 statistics, E[x^2] - E[x]^2 variance."""
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, -1, keepdims=True)
+  var = jnp.maximum(jnp.mean(x32 * x32, -1, keepdims=True) - mean * mean, 0.0)
+  rstd = jax.lax.rsqrt(var + vit.LN_EPS)
+  return ((x32 - mean) * rstd * scale + bias).astype(x.dtype), mean, rstd
+
+
+@jax.custom_vjp
+def ln_mlp_recompute(x, scale, bias, w1, b1, w2, b2):
+  """mlp(LN(x)); the backward recomputes the LayerNorm output and GELU."""
+  return mlp_recompute(_layer_norm(x, scale, bias)[0], w1, b1, w2, b2)
+
+
+def _ln_mlp_fwd(x, scale, bias, w1, b1, w2, b2):
+  y, mean, rstd = _layer_norm(x, scale, bias)
+  pre = _dense(y, w1, b1)
+  return _dense(vit.gelu_exact(pre), w2, b2), (x, mean, rstd, scale, bias, w1, w2, pre)
+
+
+def _ln_mlp_bwd(res, g):
+  x, mean, rstd, scale, bias, w1, w2, pre = res
+  xhat = (x.astype(jnp.float32) - mean) * rstd
+  dy, dw1, db1, dw2, db2 = _mlp_grads((xhat * scale + bias).astype(x.dtype), w1, w2, pre, g)
+  dy32 = dy.astype(jnp.float32)
+  gs = dy32 * scale
+  dx = rstd * (gs - jnp.mean(gs, -1, keepdims=True)
+               - xhat * jnp.mean(gs * xhat, -1, keepdims=True))
+  axes = tuple(range(x.ndim - 1))
+  return (dx.astype(x.dtype), jnp.sum(dy32 * xhat, axes), jnp.sum(dy32, axes),
+          dw1, db1, dw2, db2)
+
+
+ln_mlp_recompute.defvjp(_ln_mlp_fwd, _ln_mlp_bwd)
+
+
+class _DenseParams(nn.Module):
+  features: int
+
+  @nn.compact
+  def __call__(self, fan_in):
+    return (self.param("kernel", vit.DENSE_INIT, (fan_in, self.features), jnp.float32),
+            self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
+
+
+class _MlpParams(nn.Module):
+  hidden: int
+
+  @nn.compact
+  def __call__(self, width):
+    w1, b1 = _DenseParams(self.hidden, name="fc1")(width)
+    w2, b2 = _DenseParams(width, name="fc2")(self.hidden)
+    return w1, b1, w2, b2
+
+
+class MlpRecompute(nn.Module):
+  """vit.Mlp's parameters, mlp_recompute's schedule."""
+  hidden: int
+  dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    w1, b1 = _DenseParams(self.hidden, name="fc1")(x.shape[-1])
+    w2, b2 = _DenseParams(x.shape[-1], name="fc2")(self.hidden)
+    c = lambda a: a.astype(self.dtype)  # noqa: E731
+    return mlp_recompute(c(x), c(w1), c(b1), c(w2), c(b2))
+
+
+class BlockLnMlpRecompute(vit.Block):
+  """vit.Block with its second half as ln_mlp_recompute."""
+
+  @nn.compact
+  def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
+    y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=self.dtype, name="norm1")(x)
+    y = attention_lib.MultiHeadAttention(
+        self.num_heads, causal=self.causal, impl=self.attention_impl,
+        dtype=self.dtype, name="attn")(y, rope, mask)
+    x = x + vit.DropPath(self.drop_path)(y, deterministic)
+    d = x.shape[-1]
+    scale = self.param("norm2_scale", nn.initializers.ones, (d,), jnp.float32)
+    bias = self.param("norm2_bias", nn.initializers.zeros, (d,), jnp.float32)
+    w1, b1, w2, b2 = _MlpParams(self.mlp_dim, name="mlp")(d)
+    c = lambda a: a.astype(self.dtype)  # noqa: E731
+    y = ln_mlp_recompute(c(x), scale, bias, c(w1), c(b1), c(w2), c(b2))
+    return x + vit.DropPath(self.drop_path)(y, deterministic)
+
+
+# ------------------------------------------------------------ RoPE custom VJP
+
+
+def _reduce_to(g, shape):
+  axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, shape)) if b == 1 and a != 1)
+  return jnp.sum(g, axes, keepdims=True).reshape(shape)
+
+
+@jax.custom_vjp
+def rope_vjp(x, cos, sin):
+  """posenc.apply_rope with a hand-written backward."""
+  return _PLAIN_ROPE(x, cos, sin)
+
+
+def _rope_bwd(res, g):
+  x, cos, sin = res
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, -1)
+  g1, g2 = jnp.split(g.astype(jnp.float32), 2, -1)
+  dcos = jnp.sum(x1 * g1 + x2 * g2, axis=2)      # unused in training (fixed tables)
+  dsin = jnp.sum(x1 * g2 - x2 * g1, axis=2)
+  return (_PLAIN_ROPE(g, cos, -sin), _reduce_to(dcos, cos.shape).astype(cos.dtype),
+          _reduce_to(dsin, sin.shape).astype(sin.dtype))
+
+
+_PLAIN_ROPE = posenc.apply_rope
+rope_vjp.defvjp(lambda x, cos, sin: (_PLAIN_ROPE(x, cos, sin), (x, cos, sin)), _rope_bwd)
+
+
+# ------------------------------------------------------------ bias gradient as a GEMV
+
+
+@jax.custom_vjp
+def bias_add_gemv(y, b):
+  """y + b; the bias gradient is ones @ g (a matrix product, not a reduction)."""
+  return y + b
+
+
+def _bias_add_gemv_bwd(shape, g):
+  g2 = g.reshape(-1, math.prod(shape))
+  db = jnp.dot(jnp.ones((g2.shape[0],), g.dtype), g2, preferred_element_type=jnp.float32)
+  return g, db.reshape(shape).astype(g.dtype)
+
+
+bias_add_gemv.defvjp(lambda y, b: (y + b, b.shape), _bias_add_gemv_bwd)
+
+
+class DenseBiasGemv(nn.Module):
+  """Stands in for nn.Dense and nn.DenseGeneral (the arguments the model uses)."""
+  features: object
+  axis: object = -1
+  dtype: object = jnp.float32
+  kernel_init: object = nn.initializers.xavier_uniform()
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    feats = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+    axes = tuple(a % x.ndim for a in axes)
+    ins = tuple(x.shape[a] for a in axes)
+
+    def init(key, shape, dtype=jnp.float32):  # fans of the flattened 2D kernel, as DenseGeneral
+      return self.kernel_init(key, (math.prod(ins), math.prod(feats)), dtype).reshape(shape)
+
+    kernel = self.param("kernel", init, ins + feats, jnp.float32)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                            ((axes, tuple(range(len(axes)))), ((), ())))
+    if not self.use_bias:
+      return y
+    b = self.param("bias", nn.initializers.zeros, feats, jnp.float32)
+    return bias_add_gemv(y, b.astype(self.dtype))
+
+
+# ------------------------------------------------------------ registry
+
+VARIANTS = {
+    "base": [],
+    "mlp_recompute": [(vit, "Mlp", MlpRecompute)],
+    "ln_mlp_recompute": [(vit, "Block", BlockLnMlpRecompute)],
+    "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
+    "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
+}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+  """Patches the model for one variant while the block runs."""
+  if name not in VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+  with contextlib.ExitStack() as stack:
+    for owner, attr, value in VARIANTS[name]:
+      stack.enter_context(mock.patch.object(owner, attr, value))
+    yield
+
+
+def main():
+  import pretrain_benchmark as bench
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--case", default="L/16:mse:256", help="variant:objective:batch")
+  parser.add_argument("--variants", default="base,rope_vjp,base,rope_vjp",
+                      help=f"comma list, repeats allowed; from {', '.join(VARIANTS)}")
+  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--set", action="append", default=[])
+  args = parser.parse_args()
+  model, objective, batch = args.case.split(":")
+  names = args.variants.split(",")
+  bad = [n for n in names if n not in VARIANTS]
+  if bad:                                  # fail before compiling anything
+    parser.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.case}")
+  print("| variant | img/s (p10-p90) | MFU | memory GB | loss |")
+  print("|---|---|---|---|---|")
+  for name in names:
+    with variant(name):
+      r = bench.run_case(model, objective, int(batch), args)
+    print(f"| {name} | {r['img_s']:.0f} ({r['spread']}) | {r['mfu']:.3f} | "
+          f"{r['mem_gb']:.1f} | {r['loss']:.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
