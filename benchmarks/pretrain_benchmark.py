@@ -182,7 +182,8 @@ TARGETS = {"B/16": (0.40, None), "L/16": (0.50, 1.2), "H/14": (0.50, None)}
 
 
 def target_status(row, ref) -> str:
-  """'met' / 'not met (...)' against TARGETS, '' for rows without a target."""
+  """'met: <targets>' / 'not met: <targets>' against TARGETS; '' for rows of
+  other models."""
   variant = row["case"].split()[0]
   if variant not in TARGETS:
     return ""
@@ -208,6 +209,10 @@ def main():
                       help="persistent compilation cache folder: run twice to see a warm "
                            "cache's compile time")
   args = parser.parse_args()
+  try:
+    timm_batches = [int(b) for b in str(args.timm_batch).split(",") if int(b)]
+  except ValueError:
+    parser.error(f"--timm_batch takes batch sizes like 128,256 (0 skips), got {args.timm_batch!r}")
   if args.compile_cache:
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -215,7 +220,7 @@ def main():
   # timm first: JAX takes most of the card's memory on first use and keeps it
   # in its pool, so a reference run after the JAX cases could not allocate.
   timm_rows = []
-  for b in [int(b) for b in str(args.timm_batch).split(",") if int(b)]:
+  for b in timm_batches:
     try:
       timm_rows.append(timm_reference(b, args.warmup, args.steps))
       print(f"  timm ViT-L/16 b={b:4d} {timm_rows[-1]['img_s']:7.0f} img/s", flush=True)
