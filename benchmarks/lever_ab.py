@@ -174,6 +174,9 @@ def _reduce_to(g, shape):
   return jnp.sum(g, axes, keepdims=True).reshape(shape)
 
 
+_PLAIN_ROPE = posenc.apply_rope   # bound now: the variant patches posenc.apply_rope
+
+
 @jax.custom_vjp
 def rope_vjp(x, cos, sin):
   """posenc.apply_rope with a hand-written backward."""
@@ -190,7 +193,6 @@ def _rope_bwd(res, g):
           _reduce_to(dsin, sin.shape).astype(sin.dtype))
 
 
-_PLAIN_ROPE = posenc.apply_rope
 rope_vjp.defvjp(lambda x, cos, sin: (_PLAIN_ROPE(x, cos, sin), (x, cos, sin)), _rope_bwd)
 
 

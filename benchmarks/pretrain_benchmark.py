@@ -114,20 +114,32 @@ def run_case(variant, objective, batch, args):
   return row
 
 
+def pretrain_loss(config, images):
+  """``(init, loss)`` for ``config``'s pretraining objective on ``images``:
+  ``init(seed)`` -> parameters, ``loss(params)`` -> the loss with a fixed
+  noise key (what --check and the lever_ab tests compare)."""
+  trainer = pretrain.PretrainTrainer(config)
+  model = darl_lib.darl_from_config(config)
+
+  def init(seed):
+    key = jax.random.PRNGKey(seed)
+    return jax.jit(lambda r: model.init({"params": r, "noise": r}, images[:1],
+                                        train=False))(key)["params"]
+
+  def loss(params):
+    return trainer.loss_fn(model, params, {}, {"image": images}, jax.random.PRNGKey(5),
+                           False)[0]
+  return init, loss
+
+
 def check_paths(args):
   """bf16 + cuDNN against fp32 + XLA on the same parameters and batch."""
   out = {}
+  x = jax.random.uniform(jax.random.PRNGKey(3), (16, 224, 224, 3), jnp.float32, -1, 1)
   for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla"]),
                      ("fast", [])):
-    config = build("B/16", "diffusion", 16, list(args.set) + sets)
-    trainer = pretrain.PretrainTrainer(config)
-    model = darl_lib.darl_from_config(config)
-    x = jax.random.uniform(jax.random.PRNGKey(3), (16, 224, 224, 3), jnp.float32, -1, 1)
-    params = jax.jit(lambda r: model.init({"params": r, "noise": r}, x[:1],
-                                          train=False))(jax.random.PRNGKey(0))["params"]
-    loss = jax.jit(lambda p: trainer.loss_fn(model, p, {}, {"image": x}, jax.random.PRNGKey(5),
-                                             False)[0])(params)
-    out[name] = float(loss)
+    init, loss = pretrain_loss(build("B/16", "diffusion", 16, list(args.set) + sets), x)
+    out[name] = float(jax.jit(loss)(init(0)))
   rel = abs(out["fast"] - out["plain"]) / abs(out["plain"])
   print(f"check: loss plain {out['plain']:.5f} fast {out['fast']:.5f} rel diff {rel:.2e} "
         f"({'ok' if rel < 2e-2 else 'FAILED'})")
