@@ -1,0 +1,365 @@
+"""The ViT MLP's GELU inside its matrix products, as Hopper (sm_90) kernels.
+
+Profiles of the pretraining step (benchmarks/RESULTS.md) put the exact GELU
+and its derivative among the largest memory-bound kernels: XLA computes
+``h = x W1 + b1`` with cuBLAS, then reads ``h`` back to write ``gelu(h)``,
+and in the backward writes ``dy W2^T`` only to read it back and multiply by
+``gelu'(h)``. cuBLAS's own GELU epilogue is the tanh approximation, not the
+model's exact GELU, so XLA cannot fold either pass into the GEMM. These two
+kernels do:
+
+- ``dense_gelu(x, w1, b1) -> (h, gelu(h))``: the fc1 product with the bias
+  and GELU applied to each output tile while it is still in registers.
+- ``matmul_dgelu(dy, w2t, h) -> (dy w2t) * gelu'(h)``: the product that
+  back-propagates through fc2, with GELU's derivative in its epilogue; the
+  matching ``h`` tile is fetched while the product runs.
+
+Both are one Pallas Mosaic GPU kernel (``_gemm``): a persistent grid over
+output tiles; per CTA one memory warpgroup streams A and B tiles into shared
+memory through the bulk tensor copy engine, and two compute warpgroups each
+own a ``tile_m x tile_n`` float32 accumulator (``wgmma``), side by side along
+N; the epilogue runs on ``epi x epi`` sub-tiles and stores through shared
+memory with bulk copies.
+
+``mlp`` composes them into the MLP with a custom gradient; everything else
+(fc2, the weight gradients, the bias sums) stays XLA's. The kernels need
+a Hopper GPU; elsewhere they run in Pallas's GPU interpret mode (slow, for
+tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_SQRT_HALF = 2.0 ** -0.5
+_INV_SQRT_2PI = (2.0 * math.pi) ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Tile shapes of ``_gemm``. A CTA computes ``tile_m x 2 * tile_n``.
+
+  ``stages`` A/B tiles are in flight per CTA; ``ctas`` caps the grid (0:
+  one CTA per multiprocessor, the persistent layout).
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 3
+  epi: int = 64
+  ctas: int = 0
+
+  def check(self, m: int, n: int, k: int) -> None:
+    problems = []
+    if m % self.tile_m:
+      problems.append(f"rows {m} (batch x tokens) by tile_m={self.tile_m}")
+    if n % (2 * self.tile_n):
+      problems.append(f"columns {n} by 2 x tile_n={2 * self.tile_n}")
+    if k % self.tile_k:
+      problems.append(f"the inner dimension {k} by tile_k={self.tile_k}")
+    if self.tile_m % self.epi or self.tile_n % self.epi:
+      problems.append(f"tile {self.tile_m}x{self.tile_n} by epi={self.epi}")
+    if problems:
+      raise ValueError(
+          "the Hopper MLP kernels need divisible shapes; cannot divide "
+          + "; ".join(problems)
+          + ". Use model.mlp_impl='xla', or a batch size that makes batch x "
+          "tokens a multiple of tile_m.")
+
+
+DEFAULT_TILING = Tiling()
+
+
+def gelu(x):
+  """Exact GELU in float32 (as models.vit.gelu_exact), through lax.erf."""
+  return 0.5 * x * (1.0 + lax.erf(x * _SQRT_HALF))
+
+
+def gelu_grad(x):
+  """d gelu / dx = Phi(x) + x phi(x), float32, through lax.erf."""
+  return 0.5 * (1.0 + lax.erf(x * _SQRT_HALF)) + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+# erfc(z) ~= t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z), z >= 0:
+# Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7. Mosaic GPU has no
+# layout rule for erf, and this form needs only exp and a division; taking
+# Phi(x) = erfc(-x / sqrt 2) / 2 from it also avoids 1 + erf(x)'s cancellation
+# in the far negative tail.
+_AS_P = 0.3275911
+_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _cdf_pdf(x):
+  """(Phi(x), phi(x)) of the standard normal, float32, from exp alone."""
+  z = jnp.abs(x) * _SQRT_HALF
+  t = 1.0 / (1.0 + _AS_P * z)
+  poly = _AS_A[4]
+  for a in _AS_A[3::-1]:
+    poly = a + t * poly
+  e = jnp.exp(-z * z)                           # = exp(-x^2 / 2)
+  half_tail = 0.5 * t * poly * e                 # Phi(-|x|)
+  return jnp.where(x >= 0, 1.0 - half_tail, half_tail), e * _INV_SQRT_2PI
+
+
+def kernel_gelu(x):
+  """GELU as the kernels evaluate it (within 1e-7 * |x| of ``gelu``)."""
+  return x * _cdf_pdf(x)[0]
+
+
+def kernel_gelu_grad(x):
+  """GELU's derivative as the kernels evaluate it."""
+  cdf, pdf = _cdf_pdf(x)
+  return cdf + x * pdf
+
+
+def _num_ctas(tiles: int, tiling: Tiling, interpret: bool) -> int:
+  if tiling.ctas:
+    return min(tiling.ctas, tiles)
+  if interpret:
+    return min(2, tiles)
+  return min(jax.devices()[0].core_count, tiles)
+
+
+def _interpret_params(interpret: bool):
+  if not interpret:
+    return None
+  params = getattr(plgpu, "InterpretParams", None)
+  if params is None:   # jax 0.10 keeps it private
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+  return params()
+
+
+def _swizzled(cols: int, dtype) -> tuple:
+  """Shared-memory tiling + swizzle for a tile whose rows hold ``cols`` elements."""
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
+          tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+  """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
+
+  ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
+  bf16 are optional extra inputs whose matching slices reach the epilogue
+  (bias as ``[epi]``, aux as float32 ``[epi, epi]``; None when not given).
+  ``epilogue(acc, bias, aux)`` gets the float32 accumulator sub-tile and
+  returns ``num_out`` arrays of the same shape; each becomes an ``[M, N]``
+  bf16 output.
+  """
+  t = tiling
+  (m, k), n = a.shape, b.shape[1]
+  if b.shape[0] != k:
+    raise ValueError(f"inner dimensions differ: {a.shape} @ {b.shape}")
+  t.check(m, n, k)
+  dtype = a.dtype
+  cta_m, cta_n = t.tile_m, 2 * t.tile_n
+  m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // t.tile_k
+  subtiles = [(i, j) for i in range(t.tile_m // t.epi) for j in range(t.tile_n // t.epi)]
+  in_transforms = _swizzled(t.tile_k, dtype)
+  epi_transforms = _swizzled(t.epi, dtype)
+  has_bias, has_aux = bias is not None, aux is not None
+  # One output computed from aux: write it over its aux sub-tile in shared
+  # memory and store from there (a separate output buffer would not fit
+  # beside three pipeline stages).
+  in_place = has_aux and num_out == 1
+
+  def as_layout(x, layout):   # the GPU interpreter has no layouts
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+  def body(*refs):
+    a_gmem, b_gmem = refs[:2]
+    rest = list(refs[2:])
+    bias_gmem = rest.pop(0) if has_bias else None
+    aux_gmem = rest.pop(0) if has_aux else None
+    outs = rest
+
+    def pipeline(step, context):
+      return plgpu.emit_pipeline_warp_specialized(
+          step, grid=(k_iters,), memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk),
+                              transforms=in_transforms, memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0),
+                              transforms=in_transforms, memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages,
+          compute_context=context)
+
+    nothing = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+    scratch = dict(
+        allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+        out_smem=(None if in_place else
+                  plgpu.SMEM((2, 2, num_out, t.epi, t.epi), dtype, transforms=epi_transforms)),
+        aux_smem=(plgpu.SMEM((2, len(subtiles), t.epi, t.epi), dtype,
+                             transforms=epi_transforms) if has_aux else None),
+        aux_barriers=(plgpu.Barrier(num_barriers=2 * len(subtiles)) if has_aux else None),
+        bias_smem=plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias else None,
+        bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
+    )
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(allocs, out_smem, aux_smem, aux_barriers, bias_smem, bias_barriers):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile(info):
+        (lin,) = info.index
+        # N fastest: CTAs running together share A's rows; B (a weight
+        # matrix, a few MB) stays in L2.
+        mi, ni = lin // n_iters, lin % n_iters
+        rows = pl.ds(mi * cta_m, cta_m)
+        cols = pl.ds(ni * cta_n, cta_n)
+        wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+
+        def sub(ref, i, j):   # this warpgroup's (i, j) epilogue sub-tile of an [M, N] array
+          return (ref.at[rows, cols].at[:, wg_cols]
+                  .at[pl.ds(i * t.epi, t.epi), pl.ds(j * t.epi, t.epi)])
+
+        def context(run_pipeline):
+          # Fetch this tile's bias and aux slices while the product runs.
+          plgpu.commit_smem()     # the last tile's reads of aux_smem happen first
+          if in_place:            # and its stores from there have read it
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if has_bias:
+            plgpu.copy_gmem_to_smem(
+                bias_gmem.at[pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)],
+                bias_smem.at[wg], bias_barriers.at[wg])
+          if has_aux:
+            for s, (i, j) in enumerate(subtiles):
+              plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[wg, s],
+                                      aux_barriers.at[wg * len(subtiles) + s])
+
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+          def _acc(acc_ref):
+            run_pipeline(acc_ref)
+            acc = acc_ref[...]
+            if has_bias:
+              plgpu.barrier_wait(bias_barriers.at[wg])
+            for s, (i, j) in enumerate(subtiles):
+              tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
+              bias_tile = aux_tile = None
+              if has_bias:
+                bias_tile = as_layout(bias_smem[wg, pl.ds(j * t.epi, t.epi)],
+                                      plgpu.Layout.WGMMA.reduce(0))
+              if has_aux:
+                plgpu.barrier_wait(aux_barriers.at[wg * len(subtiles) + s])
+                aux_tile = as_layout(aux_smem[wg, s], plgpu.Layout.WGMMA).astype(jnp.float32)
+              results = epilogue(tile, bias_tile, aux_tile)
+              if in_place:
+                aux_smem[wg, s] = results[0].astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
+                continue
+              slot = s % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last store read
+              for o, r in enumerate(results):
+                out_smem[wg, slot, o] = r.astype(dtype)
+              plgpu.commit_smem()
+              for o in range(num_out):
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot, o], sub(outs[o], i, j),
+                                        commit_group=o == num_out - 1)
+
+        def step(_, a_smem, b_smem, acc_ref):
+          plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(step, context)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  inputs = [a, b] + ([bias] if has_bias else []) + ([aux] if has_aux else [])
+  kernel = plgpu.kernel(
+      body,
+      out_type=tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)),
+      grid=(_num_ctas(m_iters * n_iters, t, interpret),), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params(interpret))
+  return kernel(*inputs)
+
+
+def _fwd_epilogue(acc, bias, _):
+  h = (acc + lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
+  return h, kernel_gelu(h.astype(jnp.float32))
+
+
+def _bwd_epilogue(acc, _, h):
+  return (acc * kernel_gelu_grad(h),)
+
+
+def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+  """``h = x @ w + b`` and ``gelu(h)``, both ``[M, N]`` bf16; x, w bf16, b any float."""
+  return _gemm(x, w, bias=b.astype(jnp.float32), epilogue=_fwd_epilogue, num_out=2,
+               tiling=tiling, interpret=interpret)
+
+
+def matmul_dgelu(dy, wt, h, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+  """``(dy @ wt) * gelu'(h)``, ``[M, N]`` bf16 (the gradient at fc1's output)."""
+  return _gemm(dy, wt, aux=h, epilogue=_bwd_epilogue, num_out=1,
+               tiling=tiling, interpret=interpret)[0]
+
+
+def _flat(x):
+  return x.reshape(-1, x.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def mlp(x, w1, b1, w2, b2, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+  """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis of ``x``, in x's dtype (bf16).
+
+  The same function as models.vit.Mlp in bf16 (float32 accumulation, exact
+  GELU evaluated in float32 on the bf16 pre-activation), with the GELU and
+  its derivative inside the kernels above.
+  """
+  return _mlp_fwd(x, w1, b1, w2, b2, tiling, interpret)[0]
+
+
+def _mlp_fwd(x, w1, b1, w2, b2, tiling, interpret):
+  dt = x.dtype
+  x2 = _flat(x)
+  h, g = dense_gelu(x2, w1.astype(dt), b1.astype(dt), tiling=tiling, interpret=interpret)
+  y = jnp.dot(g, w2.astype(dt)) + b2.astype(dt)
+  return y.reshape(x.shape[:-1] + y.shape[-1:]), (x2, w1, w2, h, g)
+
+
+def _mlp_bwd(tiling, interpret, res, dy):
+  x2, w1, w2, h, g = res
+  dt = x2.dtype
+  dy2 = _flat(dy).astype(dt)
+  dh = matmul_dgelu(dy2, w2.astype(dt).T, h, tiling=tiling, interpret=interpret)
+  f32 = jnp.float32
+  dw1 = jnp.dot(x2.T, dh, preferred_element_type=f32)
+  dw2 = jnp.dot(g.T, dy2, preferred_element_type=f32)
+  db1 = jnp.sum(dh.astype(f32), axis=0)
+  db2 = jnp.sum(dy2.astype(f32), axis=0)
+  dx = jnp.dot(dh, w1.astype(dt).T).reshape(dy.shape[:-1] + x2.shape[-1:])
+  return (dx, dw1.astype(w1.dtype), db1.astype(w1.dtype), dw2.astype(w2.dtype),
+          db2.astype(w2.dtype))
+
+
+mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def reference_mlp(x, w1, b1, w2, b2):
+  """What ``mlp`` computes, in plain jax (for tests and benchmarks)."""
+  dt = x.dtype
+  h = (jnp.dot(x, w1.astype(dt)) + b1.astype(dt))
+  return jnp.dot(gelu(h.astype(jnp.float32)).astype(dt), w2.astype(dt)) + b2.astype(dt)
+
+
+__all__: Sequence[str] = ("Tiling", "DEFAULT_TILING", "dense_gelu", "matmul_dgelu", "mlp",
+                          "reference_mlp", "gelu", "gelu_grad", "kernel_gelu",
+                          "kernel_gelu_grad")
