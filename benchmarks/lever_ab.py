@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
+from darl_jax.kernels import hopper_mlp  # noqa: E402
 from darl_jax.models import attention as attention_lib  # noqa: E402
 from darl_jax.models import posenc, vit  # noqa: E402
 
@@ -241,6 +242,29 @@ class DenseBiasGemv(nn.Module):
     return bias_add_gemv(y, b.astype(self.dtype))
 
 
+# ------------------------------------------------------------ Hopper MLP kernels
+
+
+class MlpHopper(nn.Module):
+  """vit.Mlp's parameters, darl_jax.kernels.hopper_mlp's kernels where the
+  shape tiles (the backbone's MLPs); the plain MLP elsewhere."""
+  hidden: int
+  dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    w1, b1 = _DenseParams(self.hidden, name="fc1")(d)
+    w2, b2 = _DenseParams(d, name="fc2")(self.hidden)
+    x = x.astype(self.dtype)
+    try:
+      hopper_mlp.DEFAULT_TILING.check(math.prod(x.shape[:-1]), self.hidden, d)
+    except ValueError:
+      return hopper_mlp.reference_mlp(x, w1, b1, w2, b2)
+    return hopper_mlp.mlp(x, w1, b1, w2, b2, hopper_mlp.DEFAULT_TILING,
+                          jax.default_backend() != "gpu")
+
+
 # ------------------------------------------------------------ registry
 
 VARIANTS = {
@@ -249,6 +273,7 @@ VARIANTS = {
     "ln_mlp_recompute": [(vit, "Block", BlockLnMlpRecompute)],
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
+    "hopper_mlp": [(vit, "Mlp", MlpHopper)],
 }
 
 

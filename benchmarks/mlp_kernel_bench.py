@@ -1,0 +1,151 @@
+"""The Hopper MLP kernels (darl_jax/kernels/hopper_mlp.py) against XLA, on one GPU.
+
+    python benchmarks/mlp_kernel_bench.py --shape=L/16:256 --tilings=128x128x64x3,128x128x64x2
+
+For the MLP of one block at a model's shape (rows = batch x tokens), it
+checks each kernel against the XLA computation it replaces (relative error,
+bf16), then times:
+- cuBLAS ``x @ w1`` alone (the floor for the fused forward);
+- the forward as the model runs it under XLA (cuBLAS + bias, then the GELU
+  kernel) and as ``dense_gelu``, for each tiling;
+- the backward through fc2 and GELU under XLA and as ``matmul_dgelu``;
+- the whole MLP, forward and backward (weight gradients and bias sums
+  included), as models.vit.Mlp and as hopper_mlp.mlp.
+Times are medians over repeats of back-to-back launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from darl_jax.kernels import hopper_mlp  # noqa: E402
+from darl_jax.models import vit  # noqa: E402
+
+# rows per image (tokens), width, MLP width
+SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 1280, 5120)}
+
+
+def parse_tiling(text: str) -> hopper_mlp.Tiling:
+  """``128x128x64x3`` (tile_m x tile_n x tile_k x stages), optional ``xE`` epilogue edge."""
+  parts = [int(p) for p in text.split("x")]
+  if len(parts) not in (4, 5):
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI]")
+  names = ("tile_m", "tile_n", "tile_k", "stages", "epi")
+  return hopper_mlp.Tiling(**dict(zip(names, parts)))
+
+
+def timed(f, *args, iters=10, reps=7):
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(iters):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / iters)
+  return statistics.median(times)
+
+
+def rel_err(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shape", default="L/16:256", help="model:batch, model from "
+                      f"{', '.join(SHAPES)}")
+  parser.add_argument("--tilings", default="128x128x64x3,128x128x64x2",
+                      help="comma list of MxNxKxSTAGES[xEPI]")
+  args = parser.parse_args()
+  model, batch = args.shape.split(":")
+  tokens, d, f = SHAPES[model]
+  m = tokens * int(batch)
+  tilings = [parse_tiling(t) for t in args.tilings.split(",")]
+  bf = jnp.bfloat16
+  ks = jax.random.split(jax.random.key(0), 8)
+  x = jax.random.normal(ks[0], (m, d), bf)
+  w1 = jax.random.normal(ks[1], (d, f), jnp.float32) * d ** -0.5
+  b1 = jax.random.normal(ks[2], (f,), jnp.float32) * 0.1
+  w2 = jax.random.normal(ks[3], (f, d), jnp.float32) * f ** -0.5
+  b2 = jax.random.normal(ks[4], (d,), jnp.float32) * 0.1
+  dy = jax.random.normal(ks[5], (m, d), bf)
+  w1b, w2tb = w1.astype(bf), w2.T.astype(bf)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {model} MLP, "
+        f"rows {m} ({batch} x {tokens}), {d} -> {f} -> {d}")
+
+  @jax.jit
+  def xla_fwd(x, w, b):
+    h = jnp.dot(x, w) + b.astype(bf)
+    return h, vit.gelu_exact(h)
+
+  @jax.jit
+  def xla_bwd(dy, wt, h):
+    return vit._gelu_exact_bwd(h, jnp.dot(dy, wt))[0]
+
+  h_ref, g_ref = xla_fwd(x, w1b, b1)
+  dh_ref = xla_bwd(dy, w2tb, h_ref)
+  fgemm = 2 * m * d * f
+  rows = [("cuBLAS x @ w1", timed(jax.jit(jnp.dot), x, w1b), "")]   # (name, seconds, note[, GEMMs])
+  rows.append(("XLA fc1 + bias + GELU (h, g)", timed(xla_fwd, x, w1b, b1), ""))
+  for t in tilings:
+    fn = jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t))
+    try:
+      h, g = fn(x, w1b, b1)
+      err = f"h {rel_err(h, h_ref):.1e}, g {rel_err(g, g_ref):.1e}"
+      rows.append((f"dense_gelu {t}", timed(fn, x, w1b, b1), err))
+    except Exception as e:  # noqa: BLE001  (a tiling that does not fit is reported)
+      rows.append((f"dense_gelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+  rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
+  for t in tilings:
+    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, tiling=t))
+    try:
+      dh = fn(dy, w2tb, h_ref)
+      rows.append((f"matmul_dgelu {t}", timed(fn, dy, w2tb, h_ref),
+                   f"dh {rel_err(dh, dh_ref):.1e}"))
+    except Exception as e:  # noqa: BLE001
+      rows.append((f"matmul_dgelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+
+  mlp_xla = vit.Mlp(f, dtype=bf)
+  params = {"fc1": {"kernel": w1, "bias": b1}, "fc2": {"kernel": w2, "bias": b2}}
+
+  def loss_xla(p, x):
+    return jnp.vdot(mlp_xla.apply({"params": p}, x).astype(jnp.float32), dy.astype(jnp.float32))
+
+  def loss_kernel(p, x, t):
+    y = hopper_mlp.mlp(x, p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"],
+                       p["fc2"]["bias"], t, False)
+    return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32))
+
+  g_xla = jax.jit(jax.grad(loss_xla, argnums=(0, 1)))
+  ref = g_xla(params, x)
+  rows.append(("MLP fwd+bwd, models.vit.Mlp (XLA)", timed(g_xla, params, x), "", 6))
+  for t in tilings:
+    g_k = jax.jit(jax.grad(lambda p, x, t=t: loss_kernel(p, x, t), argnums=(0, 1)))
+    try:
+      out = g_k(params, x)
+      errs = jax.tree.map(rel_err, out, ref)
+      worst = max(jax.tree.leaves(errs))
+      rows.append((f"MLP fwd+bwd, hopper_mlp.mlp {t}", timed(g_k, params, x),
+                   f"worst gradient {worst:.1e}", 6))
+    except Exception as e:  # noqa: BLE001
+      rows.append((f"MLP fwd+bwd {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+
+  print("| computation | ms | matmul TFLOP/s | check (relative error vs XLA) |")
+  print("|---|---|---|---|")
+  for name, sec, note, *gemms in rows:   # the MLP rows do 6 products of x @ w1's size
+    flops = fgemm * (gemms[0] if gemms else 1)
+    print(f"| {name} | {sec * 1e3:.3f} | {flops / sec / 1e12:.0f} | {note} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
