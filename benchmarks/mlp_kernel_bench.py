@@ -1,6 +1,6 @@
 """The Hopper MLP kernels (darl_jax/kernels/hopper_mlp.py) against XLA, on one GPU.
 
-    python benchmarks/mlp_kernel_bench.py --shape=L/16:256 --tilings=128x128x64x3,128x128x64x2
+    python benchmarks/mlp_kernel_bench.py --shape=L/16:256 --tilings=128x128x32x4x1,128x128x64x2x0
 
 For the MLP of one block at a model's shape (rows = batch x tokens), it
 checks each kernel against the XLA computation it replaces (relative error,
@@ -35,11 +35,11 @@ SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 128
 
 
 def parse_tiling(text: str) -> hopper_mlp.Tiling:
-  """``128x128x64x3`` (tile_m x tile_n x tile_k x stages), optional ``xE`` epilogue edge."""
+  """``128x128x32x4x1`` (tile_m x tile_n x tile_k x stages x delay_release)."""
   parts = [int(p) for p in text.split("x")]
-  if len(parts) not in (4, 5):
-    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI]")
-  names = ("tile_m", "tile_n", "tile_k", "stages", "epi")
+  if len(parts) != 5:
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGESxDELAY")
+  names = ("tile_m", "tile_n", "tile_k", "stages", "delay_release")
   return hopper_mlp.Tiling(**dict(zip(names, parts)))
 
 
@@ -64,8 +64,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", default="L/16:256", help="model:batch, model from "
                       f"{', '.join(SHAPES)}")
-  parser.add_argument("--tilings", default="128x128x64x3,128x128x64x2",
-                      help="comma list of MxNxKxSTAGES[xEPI]")
+  parser.add_argument("--tilings", default="128x128x32x4x1,128x128x64x2x0",
+                      help="comma list of MxNxKxSTAGESxDELAY")
   args = parser.parse_args()
   model, batch = args.shape.split(":")
   tokens, d, f = SHAPES[model]

@@ -49,14 +49,16 @@ class Tiling:
   """Tile shapes of ``_gemm``. A CTA computes ``tile_m x 2 * tile_n``.
 
   ``stages`` A/B tiles are in flight per CTA; ``ctas`` caps the grid (0:
-  one CTA per multiprocessor, the persistent layout).
+  one CTA per multiprocessor, the persistent layout); with ``delay_release``
+  1 a step's matrix product may still run while the next one is issued.
   """
   tile_m: int = 128
   tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 3
+  tile_k: int = 32
+  stages: int = 4
   epi: int = 64
   ctas: int = 0
+  delay_release: int = 1
 
   def check(self, m: int, n: int, k: int) -> None:
     problems = []
@@ -168,9 +170,12 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   in_transforms = _swizzled(t.tile_k, dtype)
   epi_transforms = _swizzled(t.epi, dtype)
   has_bias, has_aux = bias is not None, aux is not None
-  # One output computed from aux: write it over its aux sub-tile in shared
-  # memory and store from there (a separate output buffer would not fit
-  # beside three pipeline stages).
+  n_sub = len(subtiles)
+  # A single output computed from aux is written over its aux sub-tile in
+  # shared memory and stored from there. Other outputs get a whole tile of
+  # shared memory per warpgroup, so an epilogue issues all its stores at once
+  # and the next tile's product runs while they drain (with a buffer of two
+  # sub-tiles the epilogue waited for the stores: as long as the product).
   in_place = has_aux and num_out == 1
 
   def as_layout(x, layout):   # the GPU interpreter has no layouts
@@ -184,14 +189,12 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     outs = rest
 
     def pipeline(step, context):
+      spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
+                               memory_space=plgpu.SMEM, delay_release=t.delay_release)
       return plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_iters,), memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk),
-                              transforms=in_transforms, memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0),
-                              transforms=in_transforms, memory_space=plgpu.SMEM),
-          ],
+          in_specs=[spec((cta_m, t.tile_k), lambda kk: (0, kk)),
+                    spec((t.tile_k, cta_n), lambda kk: (kk, 0))],
           wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages,
           compute_context=context)
 
@@ -199,10 +202,13 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     scratch = dict(
         allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
         out_smem=(None if in_place else
-                  plgpu.SMEM((2, 2, num_out, t.epi, t.epi), dtype, transforms=epi_transforms)),
-        aux_smem=(plgpu.SMEM((2, len(subtiles), t.epi, t.epi), dtype,
+                  plgpu.SMEM((2, num_out, n_sub, t.epi, t.epi), dtype,
+                             transforms=epi_transforms)),
+        # aux by [tile parity, warpgroup]: the next tile's slices arrive while
+        # this tile's results are still being stored from the other half.
+        aux_smem=(plgpu.SMEM((2, 2, n_sub, t.epi, t.epi), dtype,
                              transforms=epi_transforms) if has_aux else None),
-        aux_barriers=(plgpu.Barrier(num_barriers=2 * len(subtiles)) if has_aux else None),
+        aux_barriers=(plgpu.Barrier(num_barriers=4 * n_sub) if has_aux else None),
         bias_smem=plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias else None,
         bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
     )
@@ -214,6 +220,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
         (lin,) = info.index
+        parity = info.local_index % 2
         # N fastest: CTAs running together share A's rows; B (a weight
         # matrix, a few MB) stays in L2.
         mi, ni = lin // n_iters, lin % n_iters
@@ -225,19 +232,22 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
           return (ref.at[rows, cols].at[:, wg_cols]
                   .at[pl.ds(i * t.epi, t.epi), pl.ds(j * t.epi, t.epi)])
 
+        def aux_barrier(s):
+          return aux_barriers.at[(parity * 2 + wg) * n_sub + s]
+
         def context(run_pipeline):
           # Fetch this tile's bias and aux slices while the product runs.
-          plgpu.commit_smem()     # the last tile's reads of aux_smem happen first
-          if in_place:            # and its stores from there have read it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.commit_smem()   # earlier reads of these buffers come first
           if has_bias:
             plgpu.copy_gmem_to_smem(
                 bias_gmem.at[pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)],
                 bias_smem.at[wg], bias_barriers.at[wg])
           if has_aux:
+            if in_place:   # the stores two tiles back (this parity) have read it
+              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
             for s, (i, j) in enumerate(subtiles):
-              plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[wg, s],
-                                      aux_barriers.at[wg * len(subtiles) + s])
+              plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[parity, wg, s],
+                                      aux_barrier(s))
 
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
@@ -246,6 +256,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
             acc = acc_ref[...]
             if has_bias:
               plgpu.barrier_wait(bias_barriers.at[wg])
+            if not in_place:   # the last tile's stores have read out_smem
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for s, (i, j) in enumerate(subtiles):
               tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
               bias_tile = aux_tile = None
@@ -253,26 +265,25 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 bias_tile = as_layout(bias_smem[wg, pl.ds(j * t.epi, t.epi)],
                                       plgpu.Layout.WGMMA.reduce(0))
               if has_aux:
-                plgpu.barrier_wait(aux_barriers.at[wg * len(subtiles) + s])
-                aux_tile = as_layout(aux_smem[wg, s], plgpu.Layout.WGMMA).astype(jnp.float32)
+                plgpu.barrier_wait(aux_barrier(s))
+                aux_tile = as_layout(aux_smem[parity, wg, s],
+                                     plgpu.Layout.WGMMA).astype(jnp.float32)
               results = epilogue(tile, bias_tile, aux_tile)
               if in_place:
-                aux_smem[wg, s] = results[0].astype(dtype)
+                aux_smem[parity, wg, s] = results[0].astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
+                plgpu.copy_smem_to_gmem(aux_smem.at[parity, wg, s], sub(outs[0], i, j))
                 continue
-              slot = s % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last store read
               for o, r in enumerate(results):
-                out_smem[wg, slot, o] = r.astype(dtype)
+                out_smem[wg, o, s] = r.astype(dtype)
               plgpu.commit_smem()
               for o in range(num_out):
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot, o], sub(outs[o], i, j),
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, o, s], sub(outs[o], i, j),
                                         commit_group=o == num_out - 1)
 
         def step(_, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
-          plgpu.wgmma_wait(0)
+          plgpu.wgmma_wait(t.delay_release)
           return acc_ref
 
         pipeline(step, context)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
