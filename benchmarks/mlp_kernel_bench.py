@@ -60,10 +60,46 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def epilogue_study(x, w, b, h, tiling):
+  """The forward / backward kernel with parts of its epilogue left out."""
+  def erf_gelu(acc, bias, _):
+    hh = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
+    return hh, hopper_mlp.gelu(hh.astype(jnp.float32))
+
+  cases = [
+      ("product only (one output)", dict(epilogue=lambda acc, *_: (acc,), num_out=1)),
+      ("+ bias, stored twice", dict(bias=b, num_out=2, epilogue=lambda acc, bias, _: (
+          acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1]),) * 2)),
+      ("+ bias + GELU (lax.erf)", dict(bias=b, num_out=2, epilogue=erf_gelu)),
+      ("+ aux added (backward's reads)", dict(aux=h, num_out=1,
+                                              epilogue=lambda acc, _, a: (acc + a,))),
+  ]
+  rows = []
+  for name, kw in cases:
+    fn = jax.jit(lambda x, w, kw=kw: hopper_mlp._gemm(x, w, tiling=tiling, **kw))
+    try:
+      rows.append((f"study: {name}", timed(fn, x, w), str(tiling)))
+    except Exception as e:  # noqa: BLE001
+      rows.append((f"study: {name}", float("nan"), f"failed: {str(e).splitlines()[0][:160]}"))
+  try:   # jax's own Hopper matmul example, as a second Mosaic GPU reference
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ref_mm
+    for tm, tn, steps in ((128, 128, 4), (128, 256, 3)):
+      cfg = ref_mm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps,
+                                grid_tile_width=8)
+      fn = jax.jit(lambda x, w, cfg=cfg: ref_mm.matmul(x, w, None, cfg))
+      rows.append((f"study: jax hopper_matmul_mgpu {tm}x{tn}x64 x{steps}", timed(fn, x, w), ""))
+  except Exception as e:  # noqa: BLE001
+    rows.append(("study: jax hopper_matmul_mgpu", float("nan"),
+                 f"failed: {str(e).splitlines()[0][:160]}"))
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", default="L/16:256", help="model:batch, model from "
                       f"{', '.join(SHAPES)}")
+  parser.add_argument("--study", action="store_true",
+                      help="also time the kernel with simpler epilogues (what each part costs)")
   parser.add_argument("--tilings", default="128x128x32x4x1,128x128x64x2x0",
                       help="comma list of MxNxKxSTAGESxDELAY")
   args = parser.parse_args()
@@ -114,6 +150,9 @@ def main():
                    f"dh {rel_err(dh, dh_ref):.1e}"))
     except Exception as e:  # noqa: BLE001
       rows.append((f"matmul_dgelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+
+  if args.study:
+    rows += epilogue_study(x, w1b, b1, h_ref, tilings[0])
 
   mlp_xla = vit.Mlp(f, dtype=bf)
   params = {"fc1": {"kernel": w1, "bias": b1}, "fc2": {"kernel": w2, "bias": b2}}
