@@ -250,6 +250,7 @@ class MlpHopper(nn.Module):
   shape tiles (the backbone's MLPs); the plain MLP elsewhere."""
   hidden: int
   dtype: object = jnp.float32
+  kernels = hopper_mlp.DEFAULT_KERNELS
 
   @nn.compact
   def __call__(self, x):
@@ -261,8 +262,12 @@ class MlpHopper(nn.Module):
       hopper_mlp.DEFAULT_TILING.check(math.prod(x.shape[:-1]), self.hidden, d)
     except ValueError:
       return hopper_mlp.reference_mlp(x, w1, b1, w2, b2)
-    return hopper_mlp.mlp(x, w1, b1, w2, b2, hopper_mlp.DEFAULT_TILING,
-                          jax.default_backend() != "gpu")
+    return hopper_mlp.mlp(x, w1, b1, w2, b2, self.kernels, jax.default_backend() != "gpu")
+
+
+class MlpHopperXlaBiasGrad(MlpHopper):
+  """MlpHopper with fc1's bias gradient summed by XLA (4-stage backward kernel)."""
+  kernels = hopper_mlp.MlpKernels(bwd=hopper_mlp.Tiling(), bias_grad_in_kernel=False)
 
 
 # ------------------------------------------------------------ registry
@@ -274,6 +279,7 @@ VARIANTS = {
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
     "hopper_mlp": [(vit, "Mlp", MlpHopper)],
+    "hopper_mlp_xla_db": [(vit, "Mlp", MlpHopperXlaBiasGrad)],
 }
 
 

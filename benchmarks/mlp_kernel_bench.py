@@ -143,7 +143,8 @@ def main():
       rows.append((f"dense_gelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
   rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
   for t in tilings:
-    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, tiling=t))
+    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, col_sums=False,
+                                                                tiling=t)[0])
     try:
       dh = fn(dy, w2tb, h_ref)
       rows.append((f"matmul_dgelu {t}", timed(fn, dy, w2tb, h_ref),
@@ -160,24 +161,30 @@ def main():
   def loss_xla(p, x):
     return jnp.vdot(mlp_xla.apply({"params": p}, x).astype(jnp.float32), dy.astype(jnp.float32))
 
-  def loss_kernel(p, x, t):
+  def loss_kernel(p, x, kernels):
     y = hopper_mlp.mlp(x, p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"],
-                       p["fc2"]["bias"], t, False)
+                       p["fc2"]["bias"], kernels, False)
     return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32))
 
   g_xla = jax.jit(jax.grad(loss_xla, argnums=(0, 1)))
   ref = g_xla(params, x)
   rows.append(("MLP fwd+bwd, models.vit.Mlp (XLA)", timed(g_xla, params, x), "", 6))
-  for t in tilings:
-    g_k = jax.jit(jax.grad(lambda p, x, t=t: loss_kernel(p, x, t), argnums=(0, 1)))
+  variants = {
+      "kernels (bias gradient in the backward kernel)": hopper_mlp.DEFAULT_KERNELS,
+      "kernels (bias gradient by XLA, 4-stage backward)": hopper_mlp.MlpKernels(
+          bwd=hopper_mlp.Tiling(), bias_grad_in_kernel=False),
+  }
+  for name, kernels in variants.items():
+    g_k = jax.jit(jax.grad(lambda p, x, k=kernels: loss_kernel(p, x, k), argnums=(0, 1)))
     try:
       out = g_k(params, x)
       errs = jax.tree.map(rel_err, out, ref)
       worst = max(jax.tree.leaves(errs))
-      rows.append((f"MLP fwd+bwd, hopper_mlp.mlp {t}", timed(g_k, params, x),
+      rows.append((f"MLP fwd+bwd, hopper_mlp.mlp, {name}", timed(g_k, params, x),
                    f"worst gradient {worst:.1e}", 6))
     except Exception as e:  # noqa: BLE001
-      rows.append((f"MLP fwd+bwd {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+      rows.append((f"MLP fwd+bwd, {name}", float("nan"),
+                   f"failed: {str(e).splitlines()[0][:120]}"))
 
   print("| computation | ms | matmul TFLOP/s | check (relative error vs XLA) |")
   print("|---|---|---|---|")

@@ -81,6 +81,19 @@ class Tiling:
 DEFAULT_TILING = Tiling()
 
 
+@dataclasses.dataclass(frozen=True)
+class MlpKernels:
+  """How ``mlp`` runs: the forward and backward kernels' tilings, and whether
+  the backward kernel also sums fc1's bias gradient (its reduction needs
+  shared memory, so that kernel then has one pipeline stage fewer)."""
+  fwd: Tiling = Tiling()
+  bwd: Tiling = Tiling(stages=3)
+  bias_grad_in_kernel: bool = True
+
+
+DEFAULT_KERNELS = MlpKernels()
+
+
 def gelu(x):
   """Exact GELU in float32 (as models.vit.gelu_exact), through lax.erf."""
   return 0.5 * x * (1.0 + lax.erf(x * _SQRT_HALF))
@@ -153,7 +166,7 @@ def _swizzled(cols: int, dtype) -> tuple:
 
 
 def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
-          tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+          col_sums: bool = False, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
   """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
 
   ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
@@ -161,7 +174,9 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   (bias as ``[epi]``, aux as float32 ``[epi, epi]``; None when not given).
   ``epilogue(acc, bias, aux)`` gets the float32 accumulator sub-tile and
   returns ``num_out`` arrays of the same shape; each becomes an ``[M, N]``
-  bf16 output.
+  bf16 output. With ``col_sums`` a last output ``[M / tile_m, N]`` float32
+  holds the first output's column sums over each block of tile_m rows (sum
+  it over axis 0 for the full column sums: a bias gradient).
   """
   t = tiling
   (m, k), n = a.shape, b.shape[1]
@@ -175,6 +190,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   in_transforms = _swizzled(t.tile_k, dtype)
   epi_transforms = _swizzled(t.epi, dtype)
   has_bias, has_aux = bias is not None, aux is not None
+  if has_bias and col_sums:
+    raise NotImplementedError("a bias input and column sums share one buffer")
   n_sub = len(subtiles)
   # A single output computed from aux is written over its aux sub-tile in
   # shared memory and stored from there. Other outputs get a whole tile of
@@ -182,6 +199,9 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   # and the next tile's product runs while they drain (with a buffer of two
   # sub-tiles the epilogue waited for the stores: as long as the product).
   in_place = has_aux and num_out == 1
+  # Bulk-store groups one tile's epilogue commits: one per sub-tile, and one
+  # for the column sums.
+  groups = n_sub + int(col_sums)
 
   def as_layout(x, layout):   # the GPU interpreter has no layouts
     return x if interpret else plgpu.layout_cast(x, layout)
@@ -191,7 +211,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     rest = list(refs[2:])
     bias_gmem = rest.pop(0) if has_bias else None
     aux_gmem = rest.pop(0) if has_aux else None
-    outs = rest
+    outs = rest[:num_out]
+    col_gmem = rest[num_out] if col_sums else None
 
     def pipeline(step, context):
       spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
@@ -204,22 +225,27 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
           compute_context=context)
 
     nothing = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+    # aux is kept by [tile parity, warpgroup]: the next tile's slices arrive
+    # while this tile's results are still being stored from the other half.
     scratch = dict(
-        allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
-        out_smem=(None if in_place else
-                  plgpu.SMEM((2, num_out, n_sub, t.epi, t.epi), dtype,
-                             transforms=epi_transforms)),
-        # aux by [tile parity, warpgroup]: the next tile's slices arrive while
-        # this tile's results are still being stored from the other half.
-        aux_smem=(plgpu.SMEM((2, 2, n_sub, t.epi, t.epi), dtype,
-                             transforms=epi_transforms) if has_aux else None),
-        aux_barriers=(plgpu.Barrier(num_barriers=4 * n_sub) if has_aux else None),
-        bias_smem=plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias else None,
-        bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
+        s1_aux=(plgpu.SMEM((2, 2, n_sub, t.epi, t.epi), dtype,
+                           transforms=epi_transforms) if has_aux else None),
+        s2_out=(None if in_place else
+                plgpu.SMEM((2, num_out, n_sub, t.epi, t.epi), dtype,
+                           transforms=epi_transforms)),
+        s3_pipeline=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+        # A row of tile_n floats per warpgroup: the bias slice, or the
+        # column sums (no kernel here has both).
+        s4_vec=(plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias or col_sums else None),
+        s5_aux_barriers=(plgpu.Barrier(num_barriers=4 * n_sub) if has_aux else None),
+        s6_bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(allocs, out_smem, aux_smem, aux_barriers, bias_smem, bias_barriers):
+    def _scope(s1_aux, s2_out, s3_pipeline, s4_vec, s5_aux_barriers, s6_bias_barriers):
+      aux_smem, out_smem, allocs = s1_aux, s2_out, s3_pipeline
+      bias_smem = col_smem = s4_vec
+      aux_barriers, bias_barriers = s5_aux_barriers, s6_bias_barriers
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -249,7 +275,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 bias_smem.at[wg], bias_barriers.at[wg])
           if has_aux:
             if in_place:   # the stores two tiles back (this parity) have read it
-              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
+              plgpu.wait_smem_to_gmem(groups, wait_read_only=True)
             for s, (i, j) in enumerate(subtiles):
               plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[parity, wg, s],
                                       aux_barrier(s))
@@ -263,6 +289,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
               plgpu.barrier_wait(bias_barriers.at[wg])
             if not in_place:   # the last tile's stores have read out_smem
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            col = {}
             for s, (i, j) in enumerate(subtiles):
               tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
               bias_tile = aux_tile = None
@@ -274,17 +301,30 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 aux_tile = as_layout(aux_smem[parity, wg, s],
                                      plgpu.Layout.WGMMA).astype(jnp.float32)
               results = epilogue(tile, bias_tile, aux_tile)
+              if col_sums:
+                part = jnp.sum(results[0], axis=0)
+                col[j] = part if j not in col else col[j] + part
               if in_place:
                 aux_smem[parity, wg, s] = results[0].astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(aux_smem.at[parity, wg, s], sub(outs[0], i, j))
-                continue
-              for o, r in enumerate(results):
-                out_smem[wg, o, s] = r.astype(dtype)
+              else:
+                for o, r in enumerate(results):
+                  out_smem[wg, o, s] = r.astype(dtype)
+                plgpu.commit_smem()
+                for o in range(num_out):
+                  plgpu.copy_smem_to_gmem(out_smem.at[wg, o, s], sub(outs[o], i, j),
+                                          commit_group=o == num_out - 1)
+            if col_sums:
+              # The last tile's column sums have left col_smem (its groups,
+              # and all but this tile's sub-tile groups, are done).
+              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
+              for j, v in col.items():
+                col_smem[wg, pl.ds(j * t.epi, t.epi)] = v
               plgpu.commit_smem()
-              for o in range(num_out):
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, o, s], sub(outs[o], i, j),
-                                        commit_group=o == num_out - 1)
+              plgpu.copy_smem_to_gmem(
+                  col_smem.at[wg],
+                  col_gmem.at[mi, pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)])
 
         def step(_, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
@@ -298,7 +338,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   inputs = [a, b] + ([bias] if has_bias else []) + ([aux] if has_aux else [])
   kernel = plgpu.kernel(
       body,
-      out_type=tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)),
+      out_type=(tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out))
+                + ((jax.ShapeDtypeStruct((m_iters, n), jnp.float32),) if col_sums else ())),
       grid=(_num_ctas(m_iters * n_iters, t, interpret),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -322,10 +363,16 @@ def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = Fa
                tiling=tiling, interpret=interpret)
 
 
-def matmul_dgelu(dy, wt, h, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
-  """``(dy @ wt) * gelu'(h)``, ``[M, N]`` bf16 (the gradient at fc1's output)."""
-  return _gemm(dy, wt, aux=h, epilogue=_bwd_epilogue, num_out=1,
-               tiling=tiling, interpret=interpret)[0]
+def matmul_dgelu(dy, wt, h, *, col_sums: bool = True, tiling: Tiling = DEFAULT_TILING,
+                 interpret: bool = False):
+  """``dh = (dy @ wt) * gelu'(h)`` (the gradient at fc1's output, ``[M, N]``
+  bf16) and its column sums ``[N]`` float32 (fc1's bias gradient; summed by
+  XLA from dh when ``col_sums`` is False)."""
+  out = _gemm(dy, wt, aux=h, epilogue=_bwd_epilogue, num_out=1, col_sums=col_sums,
+              tiling=tiling, interpret=interpret)
+  if col_sums:
+    return out[0], jnp.sum(out[1], axis=0)
+  return out[0], jnp.sum(out[0].astype(jnp.float32), axis=0)
 
 
 def _flat(x):
@@ -333,37 +380,40 @@ def _flat(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def mlp(x, w1, b1, w2, b2, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+def mlp(x, w1, b1, w2, b2, kernels: MlpKernels = DEFAULT_KERNELS, interpret: bool = False):
   """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis of ``x``, in x's dtype (bf16).
 
   The same function as models.vit.Mlp in bf16 (float32 accumulation, exact
   GELU evaluated in float32 on the bf16 pre-activation), with the GELU and
   its derivative inside the kernels above.
   """
-  return _mlp_fwd(x, w1, b1, w2, b2, tiling, interpret)[0]
+  return _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret)[0]
 
 
-def _mlp_fwd(x, w1, b1, w2, b2, tiling, interpret):
+def _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret):
   dt = x.dtype
   x2 = _flat(x)
-  h, g = dense_gelu(x2, w1.astype(dt), b1.astype(dt), tiling=tiling, interpret=interpret)
+  h, g = dense_gelu(x2, w1.astype(dt), b1.astype(dt), tiling=kernels.fwd,
+                    interpret=interpret)
   y = jnp.dot(g, w2.astype(dt)) + b2.astype(dt)
-  return y.reshape(x.shape[:-1] + y.shape[-1:]), (x2, w1, w2, h, g)
+  return y.reshape(x.shape[:-1] + y.shape[-1:]), (x2, w1, b1, w2, b2, h, g)
 
 
-def _mlp_bwd(tiling, interpret, res, dy):
-  x2, w1, w2, h, g = res
+def _wgrad(x, g):
+  """x^T g over the rows, as autodiff writes it (no transposed copy)."""
+  return lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mlp_bwd(kernels, interpret, res, dy):
+  x2, w1, b1, w2, b2, h, g = res
   dt = x2.dtype
   dy2 = _flat(dy).astype(dt)
-  dh = matmul_dgelu(dy2, w2.astype(dt).T, h, tiling=tiling, interpret=interpret)
-  f32 = jnp.float32
-  dw1 = jnp.dot(x2.T, dh, preferred_element_type=f32)
-  dw2 = jnp.dot(g.T, dy2, preferred_element_type=f32)
-  db1 = jnp.sum(dh.astype(f32), axis=0)
-  db2 = jnp.sum(dy2.astype(f32), axis=0)
-  dx = jnp.dot(dh, w1.astype(dt).T).reshape(dy.shape[:-1] + x2.shape[-1:])
-  return (dx, dw1.astype(w1.dtype), db1.astype(w1.dtype), dw2.astype(w2.dtype),
-          db2.astype(w2.dtype))
+  dh, db1 = matmul_dgelu(dy2, w2.astype(dt).T, h, col_sums=kernels.bias_grad_in_kernel,
+                         tiling=kernels.bwd, interpret=interpret)
+  db2 = jnp.sum(dy2.astype(jnp.float32), axis=0)
+  dx = lax.dot_general(dh, w1.astype(dt), (((1,), (1,)), ((), ())))
+  return (dx.reshape(dy.shape[:-1] + x2.shape[-1:]), _wgrad(x2, dh).astype(w1.dtype),
+          db1.astype(b1.dtype), _wgrad(g, dy2).astype(w2.dtype), db2.astype(b2.dtype))
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -376,6 +426,6 @@ def reference_mlp(x, w1, b1, w2, b2):
   return jnp.dot(gelu(h.astype(jnp.float32)).astype(dt), w2.astype(dt)) + b2.astype(dt)
 
 
-__all__: Sequence[str] = ("Tiling", "DEFAULT_TILING", "dense_gelu", "matmul_dgelu", "mlp",
+__all__: Sequence[str] = ("Tiling", "DEFAULT_TILING", "MlpKernels", "DEFAULT_KERNELS", "dense_gelu", "matmul_dgelu", "mlp",
                           "reference_mlp", "gelu", "gelu_grad", "kernel_gelu",
                           "kernel_gelu_grad")
