@@ -17,12 +17,14 @@ Times are medians over repeats of back-to-back launches.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -83,11 +85,17 @@ def epilogue_study(x, w, b, h, tiling):
       rows.append((f"study: {name}", float("nan"), f"failed: {str(e).splitlines()[0][:160]}"))
   try:   # jax's own Hopper matmul example, as a second Mosaic GPU reference
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ref_mm
-    for tm, tn, steps in ((128, 128, 4), (128, 256, 3)):
-      cfg = ref_mm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps,
-                                grid_tile_width=8)
+    dims = ref_mm.MatmulDimension
+    for cluster, wgd, minor in itertools.product((None, dims.M, dims.N), dims, dims):
+      cfg = ref_mm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                                grid_tile_width=8, cluster_dimension=cluster,
+                                wg_dimension=wgd, grid_minor_dim=minor)
       fn = jax.jit(lambda x, w, cfg=cfg: ref_mm.matmul(x, w, None, cfg))
-      rows.append((f"study: jax hopper_matmul_mgpu {tm}x{tn}x64 x{steps}", timed(fn, x, w), ""))
+      name = f"study: jax hopper_matmul_mgpu 128x128x64 x4, cluster {cluster}, wg {wgd}, minor {minor}"
+      try:
+        rows.append((name, timed(fn, x, w, reps=3), ""))
+      except Exception as e:  # noqa: BLE001
+        rows.append((name, float("nan"), f"failed: {str(e).splitlines()[0][:100]}"))
   except Exception as e:  # noqa: BLE001
     rows.append(("study: jax hopper_matmul_mgpu", float("nan"),
                  f"failed: {str(e).splitlines()[0][:160]}"))
@@ -100,9 +108,14 @@ def main():
                       f"{', '.join(SHAPES)}")
   parser.add_argument("--study", action="store_true",
                       help="also time the kernel with simpler epilogues (what each part costs)")
+  parser.add_argument("--profile", default="",
+                      help="also trace both MLP versions into this folder and print their kernels")
   parser.add_argument("--tilings", default="128x128x32x4x1,128x128x64x2x0",
                       help="comma list of MxNxKxSTAGESxDELAY")
   args = parser.parse_args()
+  if args.profile:
+    import profile_step
+    profile_step.show_each_kernel()
   model, batch = args.shape.split(":")
   tokens, d, f = SHAPES[model]
   m = tokens * int(batch)
@@ -143,8 +156,7 @@ def main():
       rows.append((f"dense_gelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
   rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
   for t in tilings:
-    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, col_sums=False,
-                                                                tiling=t)[0])
+    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, tiling=t))
     try:
       dh = fn(dy, w2tb, h_ref)
       rows.append((f"matmul_dgelu {t}", timed(fn, dy, w2tb, h_ref),
@@ -169,13 +181,10 @@ def main():
   g_xla = jax.jit(jax.grad(loss_xla, argnums=(0, 1)))
   ref = g_xla(params, x)
   rows.append(("MLP fwd+bwd, models.vit.Mlp (XLA)", timed(g_xla, params, x), "", 6))
-  variants = {
-      "kernels (bias gradient in the backward kernel)": hopper_mlp.DEFAULT_KERNELS,
-      "kernels (bias gradient by XLA, 4-stage backward)": hopper_mlp.MlpKernels(
-          bwd=hopper_mlp.Tiling(), bias_grad_in_kernel=False),
-  }
-  for name, kernels in variants.items():
+  graphs = {"xla": g_xla}
+  for name, kernels in {"kernels": hopper_mlp.DEFAULT_KERNELS}.items():
     g_k = jax.jit(jax.grad(lambda p, x, k=kernels: loss_kernel(p, x, k), argnums=(0, 1)))
+    graphs[name] = g_k
     try:
       out = g_k(params, x)
       errs = jax.tree.map(rel_err, out, ref)
@@ -185,6 +194,19 @@ def main():
     except Exception as e:  # noqa: BLE001
       rows.append((f"MLP fwd+bwd, {name}", float("nan"),
                    f"failed: {str(e).splitlines()[0][:120]}"))
+
+  if args.profile:
+    import profile_step
+    for name, fn in graphs.items():
+      trace = os.path.join(args.profile, name)
+      jax.block_until_ready(fn(params, x))
+      with jax.profiler.trace(trace):
+        for _ in range(3):
+          out = fn(params, x)
+        jax.block_until_ready(out)
+      hlo = fn.lower(params, x).compile().as_text()
+      print(f"### kernels of the MLP fwd+bwd, {name} (per call)")
+      print(profile_step.kernel_table(trace, 3, hlo, top=14))
 
   print("| computation | ms | matmul TFLOP/s | check (relative error vs XLA) |")
   print("|---|---|---|---|")

@@ -83,12 +83,9 @@ DEFAULT_TILING = Tiling()
 
 @dataclasses.dataclass(frozen=True)
 class MlpKernels:
-  """How ``mlp`` runs: the forward and backward kernels' tilings, and whether
-  the backward kernel also sums fc1's bias gradient (its reduction needs
-  shared memory, so that kernel then has one pipeline stage fewer)."""
+  """The tilings of ``mlp``'s forward and backward kernels."""
   fwd: Tiling = Tiling()
-  bwd: Tiling = Tiling(stages=3)
-  bias_grad_in_kernel: bool = True
+  bwd: Tiling = Tiling()
 
 
 DEFAULT_KERNELS = MlpKernels()
@@ -166,7 +163,7 @@ def _swizzled(cols: int, dtype) -> tuple:
 
 
 def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
-          col_sums: bool = False, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+          tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
   """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
 
   ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
@@ -174,9 +171,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   (bias as ``[epi]``, aux as float32 ``[epi, epi]``; None when not given).
   ``epilogue(acc, bias, aux)`` gets the float32 accumulator sub-tile and
   returns ``num_out`` arrays of the same shape; each becomes an ``[M, N]``
-  bf16 output. With ``col_sums`` a last output ``[M / tile_m, N]`` float32
-  holds the first output's column sums over each block of tile_m rows (sum
-  it over axis 0 for the full column sums: a bias gradient).
+  bf16 output.
   """
   t = tiling
   (m, k), n = a.shape, b.shape[1]
@@ -190,8 +185,6 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   in_transforms = _swizzled(t.tile_k, dtype)
   epi_transforms = _swizzled(t.epi, dtype)
   has_bias, has_aux = bias is not None, aux is not None
-  if has_bias and col_sums:
-    raise NotImplementedError("a bias input and column sums share one buffer")
   n_sub = len(subtiles)
   # A single output computed from aux is written over its aux sub-tile in
   # shared memory and stored from there. Other outputs get a whole tile of
@@ -199,9 +192,6 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   # and the next tile's product runs while they drain (with a buffer of two
   # sub-tiles the epilogue waited for the stores: as long as the product).
   in_place = has_aux and num_out == 1
-  # Bulk-store groups one tile's epilogue commits: one per sub-tile, and one
-  # for the column sums.
-  groups = n_sub + int(col_sums)
 
   def as_layout(x, layout):   # the GPU interpreter has no layouts
     return x if interpret else plgpu.layout_cast(x, layout)
@@ -211,8 +201,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     rest = list(refs[2:])
     bias_gmem = rest.pop(0) if has_bias else None
     aux_gmem = rest.pop(0) if has_aux else None
-    outs = rest[:num_out]
-    col_gmem = rest[num_out] if col_sums else None
+    outs = rest
 
     def pipeline(step, context):
       spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
@@ -234,17 +223,14 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 plgpu.SMEM((2, num_out, n_sub, t.epi, t.epi), dtype,
                            transforms=epi_transforms)),
         s3_pipeline=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
-        # A row of tile_n floats per warpgroup: the bias slice, or the
-        # column sums (no kernel here has both).
-        s4_vec=(plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias or col_sums else None),
+        s4_bias=plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias else None,
         s5_aux_barriers=(plgpu.Barrier(num_barriers=4 * n_sub) if has_aux else None),
         s6_bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(s1_aux, s2_out, s3_pipeline, s4_vec, s5_aux_barriers, s6_bias_barriers):
-      aux_smem, out_smem, allocs = s1_aux, s2_out, s3_pipeline
-      bias_smem = col_smem = s4_vec
+    def _scope(s1_aux, s2_out, s3_pipeline, s4_bias, s5_aux_barriers, s6_bias_barriers):
+      aux_smem, out_smem, allocs, bias_smem = s1_aux, s2_out, s3_pipeline, s4_bias
       aux_barriers, bias_barriers = s5_aux_barriers, s6_bias_barriers
       wg = lax.axis_index("wg")
 
@@ -275,7 +261,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 bias_smem.at[wg], bias_barriers.at[wg])
           if has_aux:
             if in_place:   # the stores two tiles back (this parity) have read it
-              plgpu.wait_smem_to_gmem(groups, wait_read_only=True)
+              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
             for s, (i, j) in enumerate(subtiles):
               plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[parity, wg, s],
                                       aux_barrier(s))
@@ -289,7 +275,6 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
               plgpu.barrier_wait(bias_barriers.at[wg])
             if not in_place:   # the last tile's stores have read out_smem
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            col = {}
             for s, (i, j) in enumerate(subtiles):
               tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
               bias_tile = aux_tile = None
@@ -301,9 +286,6 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 aux_tile = as_layout(aux_smem[parity, wg, s],
                                      plgpu.Layout.WGMMA).astype(jnp.float32)
               results = epilogue(tile, bias_tile, aux_tile)
-              if col_sums:
-                part = jnp.sum(results[0], axis=0)
-                col[j] = part if j not in col else col[j] + part
               if in_place:
                 aux_smem[parity, wg, s] = results[0].astype(dtype)
                 plgpu.commit_smem()
@@ -315,16 +297,6 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 for o in range(num_out):
                   plgpu.copy_smem_to_gmem(out_smem.at[wg, o, s], sub(outs[o], i, j),
                                           commit_group=o == num_out - 1)
-            if col_sums:
-              # The last tile's column sums have left col_smem (its groups,
-              # and all but this tile's sub-tile groups, are done).
-              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
-              for j, v in col.items():
-                col_smem[wg, pl.ds(j * t.epi, t.epi)] = v
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  col_smem.at[wg],
-                  col_gmem.at[mi, pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)])
 
         def step(_, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
@@ -338,8 +310,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   inputs = [a, b] + ([bias] if has_bias else []) + ([aux] if has_aux else [])
   kernel = plgpu.kernel(
       body,
-      out_type=(tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out))
-                + ((jax.ShapeDtypeStruct((m_iters, n), jnp.float32),) if col_sums else ())),
+      out_type=tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)),
       grid=(_num_ctas(m_iters * n_iters, t, interpret),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -363,16 +334,10 @@ def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = Fa
                tiling=tiling, interpret=interpret)
 
 
-def matmul_dgelu(dy, wt, h, *, col_sums: bool = True, tiling: Tiling = DEFAULT_TILING,
-                 interpret: bool = False):
-  """``dh = (dy @ wt) * gelu'(h)`` (the gradient at fc1's output, ``[M, N]``
-  bf16) and its column sums ``[N]`` float32 (fc1's bias gradient; summed by
-  XLA from dh when ``col_sums`` is False)."""
-  out = _gemm(dy, wt, aux=h, epilogue=_bwd_epilogue, num_out=1, col_sums=col_sums,
-              tiling=tiling, interpret=interpret)
-  if col_sums:
-    return out[0], jnp.sum(out[1], axis=0)
-  return out[0], jnp.sum(out[0].astype(jnp.float32), axis=0)
+def matmul_dgelu(dy, wt, h, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+  """``(dy @ wt) * gelu'(h)``, ``[M, N]`` bf16 (the gradient at fc1's output)."""
+  return _gemm(dy, wt, aux=h, epilogue=_bwd_epilogue, num_out=1,
+               tiling=tiling, interpret=interpret)[0]
 
 
 def _flat(x):
@@ -408,8 +373,8 @@ def _mlp_bwd(kernels, interpret, res, dy):
   x2, w1, b1, w2, b2, h, g = res
   dt = x2.dtype
   dy2 = _flat(dy).astype(dt)
-  dh, db1 = matmul_dgelu(dy2, w2.astype(dt).T, h, col_sums=kernels.bias_grad_in_kernel,
-                         tiling=kernels.bwd, interpret=interpret)
+  dh = matmul_dgelu(dy2, w2.astype(dt).T, h, tiling=kernels.bwd, interpret=interpret)
+  db1 = jnp.sum(dh.astype(jnp.float32), axis=0)
   db2 = jnp.sum(dy2.astype(jnp.float32), axis=0)
   dx = lax.dot_general(dh, w1.astype(dt), (((1,), (1,)), ((), ())))
   return (dx.reshape(dy.shape[:-1] + x2.shape[-1:]), _wgrad(x2, dh).astype(w1.dtype),
