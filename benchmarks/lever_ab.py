@@ -265,11 +265,6 @@ class MlpHopper(nn.Module):
     return hopper_mlp.mlp(x, w1, b1, w2, b2, self.kernels, jax.default_backend() != "gpu")
 
 
-class MlpHopperXlaBiasGrad(MlpHopper):
-  """MlpHopper with fc1's bias gradient summed by XLA (4-stage backward kernel)."""
-  kernels = hopper_mlp.MlpKernels(bwd=hopper_mlp.Tiling(), bias_grad_in_kernel=False)
-
-
 # ------------------------------------------------------------ registry
 
 VARIANTS = {
@@ -279,7 +274,6 @@ VARIANTS = {
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
     "hopper_mlp": [(vit, "Mlp", MlpHopper)],
-    "hopper_mlp_xla_db": [(vit, "Mlp", MlpHopperXlaBiasGrad)],
 }
 
 
