@@ -24,7 +24,18 @@ memory with bulk copies.
 ``mlp`` composes them into the MLP with a custom gradient; everything else
 (fc2, the weight gradients, the bias sums) stays XLA's. The kernels need
 a Hopper GPU; elsewhere they run in Pallas's GPU interpret mode (slow, for
-tests).
+tests; tests/test_kernels.py).
+
+Status (benchmarks/RESULTS.md, "fifth session"; H200, jax 0.11.2): correct,
+and each kernel is faster than the XLA pair it replaces when timed alone, but
+the ViT-L/16 training step is no faster with them (kernel time 106.3 vs 105.8
+ms per step at batch 128), so the model does not use them; run them in the
+step with ``benchmarks/lever_ab.py --variants=base,hopper_mlp``. Two things
+hold them back: the product alone runs about 13% under cuBLAS at these
+shapes (K = 1024 gives each tile only 32 pipeline steps), and the epilogue
+(GELU arithmetic and the extra stores) runs after each tile's product
+instead of beside the next one, which needs the two compute warpgroups to
+work on different tiles (a "ping-pong" schedule) rather than halves of one.
 """
 
 from __future__ import annotations
@@ -74,8 +85,8 @@ class Tiling:
       raise ValueError(
           "the Hopper MLP kernels need divisible shapes; cannot divide "
           + "; ".join(problems)
-          + ". Use model.mlp_impl='xla', or a batch size that makes batch x "
-          "tokens a multiple of tile_m.")
+          + ". Use the plain MLP (models.vit.Mlp) for this shape, or a batch "
+          "size that makes batch x tokens a multiple of tile_m.")
 
 
 DEFAULT_TILING = Tiling()
@@ -143,7 +154,8 @@ def _num_ctas(tiles: int, tiling: Tiling, interpret: bool) -> int:
     return min(tiling.ctas, tiles)
   if interpret:
     return min(2, tiles)
-  return min(jax.devices()[0].core_count, tiles)
+  # One CTA per multiprocessor (132 on an H100 / H200 SXM).
+  return min(getattr(jax.devices()[0], "core_count", 132), tiles)
 
 
 def _interpret_params(interpret: bool):

@@ -1,0 +1,130 @@
+"""The Hopper MLP kernels (darl_jax/kernels/hopper_mlp.py) on CPU: their
+numbers in Pallas's GPU interpret mode, and their lowering for CUDA at the
+model sizes (shared memory and layouts are checked there, no GPU needed)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from darl_jax.kernels import hopper_mlp as hm
+from darl_jax.models import vit
+
+# 64 x 128 CTA tiles: the test shapes below give each of the interpreter's two
+# CTAs 8 tiles, so the persistent loop, the reuse of the output buffers and the
+# two alternating aux buffers are all exercised.
+SMALL = hm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
+M, K, N = 512, 128, 256
+
+
+def _rand(key, shape, scale=1.0, dtype=jnp.float32):
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def test_kernel_gelu_is_the_exact_gelu():
+  x = jnp.linspace(-12.0, 12.0, 100_001, dtype=jnp.float32)
+  np.testing.assert_allclose(hm.kernel_gelu(x), hm.gelu(x), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(hm.kernel_gelu_grad(x), hm.gelu_grad(x), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(hm.gelu(x), vit.gelu_exact(x), rtol=0, atol=1e-6)
+  # Far in the negative tail the kernel form keeps its relative accuracy
+  # (no 1 + erf cancellation): Phi(-8) = 6.2e-16.
+  tail = float(hm.kernel_gelu(jnp.float32(-8.0)))
+  assert tail == pytest.approx(-8.0 * 0.5 * math.erfc(8.0 / math.sqrt(2.0)), rel=1e-5)
+
+
+def test_dense_gelu_matches_xla():
+  ks = jax.random.split(jax.random.key(0), 3)
+  x = _rand(ks[0], (M, K), 1.0, jnp.bfloat16)
+  w = _rand(ks[1], (K, N), K ** -0.5, jnp.bfloat16)
+  b = _rand(ks[2], (N,), 0.5)
+  h, g = hm.dense_gelu(x, w, b, tiling=SMALL, interpret=True)
+  assert h.shape == g.shape == (M, N) and h.dtype == g.dtype == jnp.bfloat16
+  ref = x.astype(jnp.float32) @ w.astype(jnp.float32) + b
+  # bf16 results: one rounding of the float32 value (every element compared,
+  # so an unwritten tile fails too).
+  np.testing.assert_allclose(h.astype(jnp.float32), ref, rtol=2 ** -8, atol=1e-3)
+  np.testing.assert_allclose(g.astype(jnp.float32), hm.gelu(h.astype(jnp.float32)),
+                             rtol=2 ** -8, atol=1e-3)
+
+
+def test_matmul_dgelu_matches_xla():
+  ks = jax.random.split(jax.random.key(1), 3)
+  dy = _rand(ks[0], (M, K), 1.0, jnp.bfloat16)
+  wt = _rand(ks[1], (K, N), K ** -0.5, jnp.bfloat16)
+  h = _rand(ks[2], (M, N), 2.0, jnp.bfloat16)
+  dh = hm.matmul_dgelu(dy, wt, h, tiling=SMALL, interpret=True)
+  ref = (dy.astype(jnp.float32) @ wt.astype(jnp.float32)) * hm.gelu_grad(h.astype(jnp.float32))
+  np.testing.assert_allclose(dh.astype(jnp.float32), ref, rtol=2 ** -7, atol=2e-3)
+
+
+def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
+  """Against float32 arithmetic on the same bf16-rounded inputs, the kernel
+  MLP's outputs and gradients are as close as models.vit.Mlp's in bf16 (its
+  bias gradients closer: they are summed in float32)."""
+  ks = jax.random.split(jax.random.key(2), 6)
+  d, f = K, N
+  x = _rand(ks[0], (4, M // 4, d), 1.0, jnp.bfloat16)
+  params = {"fc1": {"kernel": _rand(ks[1], (d, f), d ** -0.5), "bias": _rand(ks[2], (f,), 0.1)},
+            "fc2": {"kernel": _rand(ks[3], (f, d), f ** -0.5), "bias": _rand(ks[4], (d,), 0.1)}}
+  dy = _rand(ks[5], x.shape)
+  kernels = hm.MlpKernels(SMALL, SMALL)
+
+  def mlp_plain(p, x):
+    return vit.Mlp(f, dtype=jnp.bfloat16).apply({"params": p}, x)
+
+  def mlp_kernels(p, x):
+    return hm.mlp(x, p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"],
+                  p["fc2"]["bias"], kernels, True)
+
+  def mlp_f32(p, x):
+    r = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    h = x.astype(jnp.float32) @ r(p["fc1"]["kernel"]) + r(p["fc1"]["bias"])
+    return hm.gelu(h) @ r(p["fc2"]["kernel"]) + r(p["fc2"]["bias"])
+
+  def rel(a, b):
+    b = b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+
+  y_k, y_p, y_32 = (fn(params, x) for fn in (mlp_kernels, mlp_plain, mlp_f32))
+  assert y_k.dtype == jnp.bfloat16
+  assert rel(y_k, y_32) <= max(1.25 * rel(y_p, y_32), 5e-3)
+  grad = lambda fn: jax.grad(  # noqa: E731
+      lambda p, x: jnp.vdot(fn(p, x).astype(jnp.float32), dy), argnums=(0, 1))(params, x)
+  g_k, g_p, g_32 = grad(mlp_kernels), grad(mlp_plain), grad(mlp_f32)
+
+  errs_k = jax.tree.map(rel, g_k, g_32)
+  errs_p = jax.tree.map(rel, g_p, g_32)
+  assert jax.tree.structure(g_k) == jax.tree.structure(g_32)
+  for (path, e_k), e_p in zip(jax.tree_util.tree_leaves_with_path(errs_k),
+                              jax.tree.leaves(errs_p)):
+    assert e_k <= max(1.25 * e_p, 5e-3), (jax.tree_util.keystr(path), e_k, e_p)
+  assert jax.tree.map(lambda a: a.dtype, g_k) == jax.tree.map(lambda a: a.dtype, g_p)
+
+
+def test_tiling_names_the_fix_for_shapes_it_cannot_divide():
+  with pytest.raises(ValueError, match="rows 100 .* multiple of tile_m"):
+    hm.Tiling().check(100, 4096, 1024)
+  with pytest.raises(ValueError, match="columns 4000"):
+    hm.Tiling().check(128, 4000, 1024)
+
+
+@pytest.mark.parametrize("model", ["L/16", "H/14"])
+def test_mlp_kernels_lower_for_hopper_at_model_sizes(model):
+  """The training MLP's kernels fit a Hopper CTA's 227 KB of shared memory and
+  have a layout for every operation (both are checked while lowering)."""
+  variant, patch = vit.parse_variant(model)
+  tokens = (224 // patch) ** 2
+  s = jax.ShapeDtypeStruct
+  args = (s((32, tokens, variant.width), jnp.bfloat16),     # 32 x 196 = 49 x 128 rows
+          s((variant.width, variant.mlp_dim), jnp.float32), s((variant.mlp_dim,), jnp.float32),
+          s((variant.mlp_dim, variant.width), jnp.float32), s((variant.width,), jnp.float32))
+  kernels = hm.MlpKernels(hm.Tiling(ctas=132), hm.Tiling(ctas=132))
+
+  def loss(*a):
+    return jnp.sum(hm.mlp(*a, kernels, False).astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 2     # the forward and the backward kernel
