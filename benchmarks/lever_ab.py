@@ -6,8 +6,8 @@ Each variant swaps one piece of the model for a version that computes the
 same function (gradients equal to float32 rounding; tests/test_benchmarks.py
 checks it) but is scheduled differently, then times the real pretraining step
 with pretrain_benchmark.run_case, all in one process so the rows compare.
-On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth
-session"); a new XLA may change that, which is why they are kept runnable:
+On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth" and
+"fifth session"); a new XLA may change that, which is why they are kept runnable:
 
 - ``mlp_recompute``: the MLP under one custom VJP that keeps only its input
   and the pre-activation and recomputes GELU in the backward, so the GELU
@@ -18,6 +18,10 @@ session"); a new XLA may change that, which is why they are kept runnable:
   angle) instead of autodiff's slices and pads.
 - ``bias_gemv``: every dense layer's bias gradient as a ones-vector matrix
   product (a cuBLAS GEMV) instead of a column sum fused into its producer.
+- ``hopper_mlp``: the MLP on darl_jax/kernels/hopper_mlp.py's Pallas Mosaic
+  GPU kernels (GELU in the fc1 product's epilogue, its derivative in the
+  backward product's), where the shapes tile; the plain MLP elsewhere. Needs
+  a Hopper GPU to be timed (on CPU it runs interpreted).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
