@@ -269,6 +269,12 @@ class MlpHopper(nn.Module):
     return hopper_mlp.mlp(x, w1, b1, w2, b2, self.kernels, jax.default_backend() != "gpu")
 
 
+class MlpHopperWide(MlpHopper):
+  """MlpHopper with 64 x 256 tiles per warpgroup (wgmma's widest N)."""
+  kernels = hopper_mlp.MlpKernels(hopper_mlp.Tiling(tile_m=64, tile_n=256),
+                                  hopper_mlp.Tiling(tile_m=64, tile_n=256))
+
+
 # ------------------------------------------------------------ registry
 
 VARIANTS = {
@@ -278,6 +284,7 @@ VARIANTS = {
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
     "hopper_mlp": [(vit, "Mlp", MlpHopper)],
+    "hopper_mlp_wide": [(vit, "Mlp", MlpHopperWide)],
 }
 
 

@@ -1,6 +1,6 @@
 """The Hopper MLP kernels (darl_jax/kernels/hopper_mlp.py) against XLA, on one GPU.
 
-    python benchmarks/mlp_kernel_bench.py --shape=L/16:256 --tilings=128x128x32x4x1,128x128x64x2x0
+    python benchmarks/mlp_kernel_bench.py --shape=L/16:256 --tilings=128x128x64x2,128x128x32x4
 
 For the MLP of one block at a model's shape (rows = batch x tokens), it
 checks each kernel against the XLA computation it replaces (relative error,
@@ -37,11 +37,11 @@ SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 128
 
 
 def parse_tiling(text: str) -> hopper_mlp.Tiling:
-  """``128x128x32x4x1`` (tile_m x tile_n x tile_k x stages x delay_release)."""
+  """``128x128x64x2``: tile_m x tile_n x tile_k x stages (per compute warpgroup)."""
   parts = [int(p) for p in text.split("x")]
-  if len(parts) != 5:
-    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGESxDELAY")
-  names = ("tile_m", "tile_n", "tile_k", "stages", "delay_release")
+  if len(parts) != 4:
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES")
+  names = ("tile_m", "tile_n", "tile_k", "stages")
   return hopper_mlp.Tiling(**dict(zip(names, parts)))
 
 
@@ -110,8 +110,8 @@ def main():
                       help="also time the kernel with simpler epilogues (what each part costs)")
   parser.add_argument("--profile", default="",
                       help="also trace both MLP versions into this folder and print their kernels")
-  parser.add_argument("--tilings", default="128x128x32x4x1,128x128x64x2x0",
-                      help="comma list of MxNxKxSTAGESxDELAY")
+  parser.add_argument("--tilings", default="128x128x64x2,128x128x32x4",
+                      help="comma list of MxNxKxSTAGES")
   args = parser.parse_args()
   if args.profile:
     import profile_step

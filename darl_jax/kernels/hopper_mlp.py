@@ -57,26 +57,24 @@ _INV_SQRT_2PI = (2.0 * math.pi) ** -0.5
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """Tile shapes of ``_gemm``. A CTA computes ``tile_m x 2 * tile_n``.
-
-  ``stages`` A/B tiles are in flight per CTA; ``ctas`` caps the grid (0:
-  one CTA per multiprocessor, the persistent layout); with ``delay_release``
-  1 a step's matrix product may still run while the next one is issued.
+  """Tile shapes of ``_gemm``: each compute warpgroup owns one ``tile_m x
+  tile_n`` output tile at a time, fed by its own ring of ``stages`` A/B
+  tiles of depth ``tile_k``. ``ctas`` caps the grid (0: one CTA per
+  multiprocessor, the persistent layout).
   """
   tile_m: int = 128
   tile_n: int = 128
-  tile_k: int = 32
-  stages: int = 4
+  tile_k: int = 64
+  stages: int = 2
   epi: int = 64
   ctas: int = 0
-  delay_release: int = 1
 
   def check(self, m: int, n: int, k: int) -> None:
     problems = []
     if m % self.tile_m:
       problems.append(f"rows {m} (batch x tokens) by tile_m={self.tile_m}")
-    if n % (2 * self.tile_n):
-      problems.append(f"columns {n} by 2 x tile_n={2 * self.tile_n}")
+    if n % self.tile_n:
+      problems.append(f"columns {n} by tile_n={self.tile_n}")
     if k % self.tile_k:
       problems.append(f"the inner dimension {k} by tile_k={self.tile_k}")
     if self.tile_m % self.epi or self.tile_n % self.epi:
@@ -184,6 +182,14 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   ``epilogue(acc, bias, aux)`` gets the float32 accumulator sub-tile and
   returns ``num_out`` arrays of the same shape; each becomes an ``[M, N]``
   bf16 output.
+
+  Schedule ("ping-pong"): a CTA walks its share of the output tiles in
+  order; the memory warpgroup loads the A/B steps of tile j into ring
+  ``j % 2``, and compute warpgroup ``j % 2`` consumes them. The two compute
+  warpgroups therefore work on different tiles, half a tile apart: one's
+  epilogue (the GELU arithmetic and the stores, which the first version of
+  this kernel ran with the tensor cores idle) overlaps the other's
+  products. Every barrier has one waiter that sees all of its phases.
   """
   t = tiling
   (m, k), n = a.shape, b.shape[1]
@@ -191,18 +197,18 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     raise ValueError(f"inner dimensions differ: {a.shape} @ {b.shape}")
   t.check(m, n, k)
   dtype = a.dtype
-  cta_m, cta_n = t.tile_m, 2 * t.tile_n
-  m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // t.tile_k
-  subtiles = [(i, j) for i in range(t.tile_m // t.epi) for j in range(t.tile_n // t.epi)]
-  in_transforms = _swizzled(t.tile_k, dtype)
+  tm, tn, tk, depth = t.tile_m, t.tile_n, t.tile_k, t.stages
+  m_iters, n_iters, k_iters = m // tm, n // tn, k // tk
+  tiles = m_iters * n_iters
+  ctas = _num_ctas(tiles, t, interpret)
+  subtiles = [(i, j) for i in range(tm // t.epi) for j in range(tn // t.epi)]
+  n_sub = len(subtiles)
+  in_transforms = _swizzled(tk, dtype)
   epi_transforms = _swizzled(t.epi, dtype)
   has_bias, has_aux = bias is not None, aux is not None
-  n_sub = len(subtiles)
   # A single output computed from aux is written over its aux sub-tile in
-  # shared memory and stored from there. Other outputs get a whole tile of
-  # shared memory per warpgroup, so an epilogue issues all its stores at once
-  # and the next tile's product runs while they drain (with a buffer of two
-  # sub-tiles the epilogue waited for the stores: as long as the product).
+  # shared memory and stored from there; other outputs go through two
+  # sub-tile slots per warpgroup.
   in_place = has_aux and num_out == 1
 
   def as_layout(x, layout):   # the GPU interpreter has no layouts
@@ -214,79 +220,107 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     bias_gmem = rest.pop(0) if has_bias else None
     aux_gmem = rest.pop(0) if has_aux else None
     outs = rest
+    sm = lax.axis_index("sm")
+    local_tiles = (tiles - sm + ctas - 1) // ctas     # tiles sm, sm + ctas, ...
 
-    def pipeline(step, context):
-      spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
-                               memory_space=plgpu.SMEM, delay_release=t.delay_release)
-      return plgpu.emit_pipeline_warp_specialized(
-          step, grid=(k_iters,), memory_registers=40,
-          in_specs=[spec((cta_m, t.tile_k), lambda kk: (0, kk)),
-                    spec((t.tile_k, cta_n), lambda kk: (kk, 0))],
-          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages,
-          compute_context=context)
+    def tile_origin(j):   # (row, column) of this CTA's j-th tile
+      lin = sm + j * ctas
+      # N fastest: CTAs running together share A's rows; B (a weight
+      # matrix, a few MB) stays in L2.
+      return (lin // n_iters) * tm, (lin % n_iters) * tn
 
-    nothing = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-    # aux is kept by [tile parity, warpgroup]: the next tile's slices arrive
-    # while this tile's results are still being stored from the other half.
     scratch = dict(
-        s1_aux=(plgpu.SMEM((2, 2, n_sub, t.epi, t.epi), dtype,
-                           transforms=epi_transforms) if has_aux else None),
-        s2_out=(None if in_place else
-                plgpu.SMEM((2, num_out, n_sub, t.epi, t.epi), dtype,
-                           transforms=epi_transforms)),
-        s3_pipeline=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
-        s4_bias=plgpu.SMEM((2, t.tile_n), jnp.float32) if has_bias else None,
-        s5_aux_barriers=(plgpu.Barrier(num_barriers=4 * n_sub) if has_aux else None),
-        s6_bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
+        a_smem=plgpu.SMEM((2, depth, tm, tk), dtype, transforms=in_transforms),
+        b_smem=plgpu.SMEM((2, depth, tk, tn), dtype, transforms=in_transforms),
+        aux_smem=(plgpu.SMEM((2, n_sub, t.epi, t.epi), dtype, transforms=epi_transforms)
+                  if has_aux else None),
+        out_smem=(None if in_place else
+                  plgpu.SMEM((2, 2, num_out, t.epi, t.epi), dtype, transforms=epi_transforms)),
+        bias_smem=plgpu.SMEM((2, tn), jnp.float32) if has_bias else None,
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth),   # A and B landed
+        empty=plgpu.Barrier(num_arrivals=1, num_barriers=2 * depth),  # slot consumed
+        aux_barriers=plgpu.Barrier(num_barriers=2 * n_sub) if has_aux else None,
+        bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(s1_aux, s2_out, s3_pipeline, s4_bias, s5_aux_barriers, s6_bias_barriers):
-      aux_smem, out_smem, allocs, bias_smem = s1_aux, s2_out, s3_pipeline, s4_bias
-      aux_barriers, bias_barriers = s5_aux_barriers, s6_bias_barriers
-      wg = lax.axis_index("wg")
+    def _scope(a_smem, b_smem, aux_smem, out_smem, bias_smem, full, empty, aux_barriers,
+               bias_barriers):
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def _tile(info):
-        (lin,) = info.index
-        parity = info.local_index % 2
-        # N fastest: CTAs running together share A's rows; B (a weight
-        # matrix, a few MB) stays in L2.
-        mi, ni = lin // n_iters, lin % n_iters
-        rows = pl.ds(mi * cta_m, cta_m)
-        cols = pl.ds(ni * cta_n, cta_n)
-        wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+      def producer():
+        plgpu.set_max_registers(40, action="decrease")
 
-        def sub(ref, i, j):   # this warpgroup's (i, j) epilogue sub-tile of an [M, N] array
-          return (ref.at[rows, cols].at[:, wg_cols]
-                  .at[pl.ds(i * t.epi, t.epi), pl.ds(j * t.epi, t.epi)])
+        @pl.loop(0, local_tiles)
+        def _tile(j):
+          ring = j % 2
+          row, col = tile_origin(j)
+          first = (j // 2) * k_iters    # the ring's step count before this tile
 
-        def aux_barrier(s):
-          return aux_barriers.at[(parity * 2 + wg) * n_sub + s]
+          @pl.loop(0, k_iters)
+          def _step(kk):
+            step = first + kk
+            slot = ring * depth + step % depth
 
-        def context(run_pipeline):
-          # Fetch this tile's bias and aux slices while the product runs.
-          plgpu.commit_smem()   # earlier reads of these buffers come first
-          if has_bias:
-            plgpu.copy_gmem_to_smem(
-                bias_gmem.at[pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)],
-                bias_smem.at[wg], bias_barriers.at[wg])
+            @pl.when(step >= depth)
+            def _():
+              plgpu.barrier_wait(empty.at[slot])
+
+            plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row, tm), pl.ds(kk * tk, tk)],
+                                    a_smem.at[ring, step % depth], full.at[slot])
+            plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tk, tk), pl.ds(col, tn)],
+                                    b_smem.at[ring, step % depth], full.at[slot])
+
+        # Observe the last releases too, so every barrier ends in a known
+        # phase (the interpreter checks that each waiter saw every phase).
+        for ring in range(2):
+          steps = ((local_tiles - ring + 1) // 2) * k_iters
+
+          @pl.loop(jnp.maximum(steps - depth, 0), steps)
+          def _drain(step, ring=ring):
+            plgpu.barrier_wait(empty.at[ring * depth + step % depth])
+
+      def consumer(wg):
+        plgpu.set_max_registers(232, action="increase")
+
+        @pl.loop(0, (local_tiles - wg + 1) // 2)
+        def _tile(q):
+          row, col = tile_origin(wg + 2 * q)
+          first = q * k_iters
+
+          def sub(ref, i, j):   # the (i, j) epilogue sub-tile of an [M, N] array
+            return ref.at[pl.ds(row + i * t.epi, t.epi), pl.ds(col + j * t.epi, t.epi)]
+
+          # Fetch the bias / aux slices while the product runs.
           if has_aux:
-            if in_place:   # the stores two tiles back (this parity) have read it
-              plgpu.wait_smem_to_gmem(n_sub, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last tile's stores read them
+          plgpu.commit_smem()   # and our reads of these buffers come first
+          if has_bias:
+            plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(col, tn)], bias_smem.at[wg],
+                                    bias_barriers.at[wg])
+          if has_aux:
             for s, (i, j) in enumerate(subtiles):
-              plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[parity, wg, s],
-                                      aux_barrier(s))
+              plgpu.copy_gmem_to_smem(sub(aux_gmem, i, j), aux_smem.at[wg, s],
+                                      aux_barriers.at[wg * n_sub + s])
 
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
           def _acc(acc_ref):
-            run_pipeline(acc_ref)
+            @pl.loop(0, k_iters)
+            def _step(kk):
+              step = first + kk
+              plgpu.barrier_wait(full.at[wg * depth + step % depth])
+              plgpu.wgmma(acc_ref, a_smem.at[wg, step % depth], b_smem.at[wg, step % depth])
+              plgpu.wgmma_wait(1)   # the previous step's product is done: free its slot
+
+              @pl.when(kk > 0)
+              def _():
+                plgpu.barrier_arrive(empty.at[wg * depth + (step - 1) % depth])
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty.at[wg * depth + (first + k_iters - 1) % depth])
             acc = acc_ref[...]
+
             if has_bias:
               plgpu.barrier_wait(bias_barriers.at[wg])
-            if not in_place:   # the last tile's stores have read out_smem
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for s, (i, j) in enumerate(subtiles):
               tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
               bias_tile = aux_tile = None
@@ -294,37 +328,33 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 bias_tile = as_layout(bias_smem[wg, pl.ds(j * t.epi, t.epi)],
                                       plgpu.Layout.WGMMA.reduce(0))
               if has_aux:
-                plgpu.barrier_wait(aux_barrier(s))
-                aux_tile = as_layout(aux_smem[parity, wg, s],
-                                     plgpu.Layout.WGMMA).astype(jnp.float32)
+                plgpu.barrier_wait(aux_barriers.at[wg * n_sub + s])
+                aux_tile = as_layout(aux_smem[wg, s], plgpu.Layout.WGMMA).astype(jnp.float32)
               results = epilogue(tile, bias_tile, aux_tile)
               if in_place:
-                aux_smem[parity, wg, s] = results[0].astype(dtype)
+                aux_smem[wg, s] = results[0].astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(aux_smem.at[parity, wg, s], sub(outs[0], i, j))
+                plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
               else:
+                slot = s % 2
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last stores
                 for o, r in enumerate(results):
-                  out_smem[wg, o, s] = r.astype(dtype)
+                  out_smem[wg, slot, o] = r.astype(dtype)
                 plgpu.commit_smem()
                 for o in range(num_out):
-                  plgpu.copy_smem_to_gmem(out_smem.at[wg, o, s], sub(outs[o], i, j),
+                  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot, o], sub(outs[o], i, j),
                                           commit_group=o == num_out - 1)
 
-        def step(_, a_smem, b_smem, acc_ref):
-          plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
-          plgpu.wgmma_wait(t.delay_release)
-          return acc_ref
+        plgpu.wait_smem_to_gmem(0)
 
-        pipeline(step, context)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      wg = lax.axis_index("wg")
+      lax.cond(wg == 2, producer, lambda: consumer(wg))
 
   inputs = [a, b] + ([bias] if has_bias else []) + ([aux] if has_aux else [])
   kernel = plgpu.kernel(
       body,
       out_type=tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)),
-      grid=(_num_ctas(m_iters * n_iters, t, interpret),), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
+      grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=_interpret_params(interpret))
