@@ -58,14 +58,14 @@ _INV_SQRT_2PI = (2.0 * math.pi) ** -0.5
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """Tile shapes of ``_gemm``: each compute warpgroup owns one ``tile_m x
-  tile_n`` output tile at a time, fed by its own ring of ``stages`` A/B
-  tiles of depth ``tile_k``. ``ctas`` caps the grid (0: one CTA per
+  tile_n`` output tile at a time; ``stages`` shared-memory slots of A/B
+  tiles of depth ``tile_k`` are in flight. ``ctas`` caps the grid (0: one CTA per
   multiprocessor, the persistent layout).
   """
   tile_m: int = 128
   tile_n: int = 128
   tile_k: int = 64
-  stages: int = 2
+  stages: int = 4
   epi: int = 64
   ctas: int = 0
 
@@ -184,12 +184,14 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   bf16 output.
 
   Schedule ("ping-pong"): a CTA walks its share of the output tiles in
-  order; the memory warpgroup loads the A/B steps of tile j into ring
-  ``j % 2``, and compute warpgroup ``j % 2`` consumes them. The two compute
-  warpgroups therefore work on different tiles, half a tile apart: one's
-  epilogue (the GELU arithmetic and the stores, which the first version of
-  this kernel ran with the tensor cores idle) overlaps the other's
-  products. Every barrier has one waiter that sees all of its phases.
+  order; the memory warpgroup streams their A/B steps through one ring of
+  ``stages`` shared-memory slots, and compute warpgroup ``j % 2`` consumes
+  tile j's. The two compute warpgroups therefore work on different tiles,
+  offset in time: one's epilogue (the GELU arithmetic and the stores, which
+  a version with both warpgroups on halves of one tile ran with the tensor
+  cores idle) overlaps the other's products. Each slot's "landed" barrier
+  exists once per compute warpgroup, so every barrier has a single waiter
+  that sees all of its phases (barrier_wait tracks phases per thread).
   """
   t = tiling
   (m, k), n = a.shape, b.shape[1]
@@ -230,15 +232,15 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
       return (lin // n_iters) * tm, (lin % n_iters) * tn
 
     scratch = dict(
-        a_smem=plgpu.SMEM((2, depth, tm, tk), dtype, transforms=in_transforms),
-        b_smem=plgpu.SMEM((2, depth, tk, tn), dtype, transforms=in_transforms),
+        a_smem=plgpu.SMEM((depth, tm, tk), dtype, transforms=in_transforms),
+        b_smem=plgpu.SMEM((depth, tk, tn), dtype, transforms=in_transforms),
         aux_smem=(plgpu.SMEM((2, n_sub, t.epi, t.epi), dtype, transforms=epi_transforms)
                   if has_aux else None),
         out_smem=(None if in_place else
                   plgpu.SMEM((2, 2, num_out, t.epi, t.epi), dtype, transforms=epi_transforms)),
         bias_smem=plgpu.SMEM((2, tn), jnp.float32) if has_bias else None,
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth),   # A and B landed
-        empty=plgpu.Barrier(num_arrivals=1, num_barriers=2 * depth),  # slot consumed
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth),  # [consumer, slot]: A, B landed
+        empty=plgpu.Barrier(num_arrivals=1, num_barriers=depth),     # slot consumed
         aux_barriers=plgpu.Barrier(num_barriers=2 * n_sub) if has_aux else None,
         bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
     )
@@ -252,32 +254,30 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
 
         @pl.loop(0, local_tiles)
         def _tile(j):
-          ring = j % 2
           row, col = tile_origin(j)
-          first = (j // 2) * k_iters    # the ring's step count before this tile
 
           @pl.loop(0, k_iters)
           def _step(kk):
-            step = first + kk
-            slot = ring * depth + step % depth
+            step = j * k_iters + kk
+            slot = step % depth
 
             @pl.when(step >= depth)
             def _():
               plgpu.barrier_wait(empty.at[slot])
 
+            landed = full.at[(j % 2) * depth + slot]
             plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row, tm), pl.ds(kk * tk, tk)],
-                                    a_smem.at[ring, step % depth], full.at[slot])
+                                    a_smem.at[slot], landed)
             plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tk, tk), pl.ds(col, tn)],
-                                    b_smem.at[ring, step % depth], full.at[slot])
+                                    b_smem.at[slot], landed)
 
         # Observe the last releases too, so every barrier ends in a known
         # phase (the interpreter checks that each waiter saw every phase).
-        for ring in range(2):
-          steps = ((local_tiles - ring + 1) // 2) * k_iters
+        steps = local_tiles * k_iters
 
-          @pl.loop(jnp.maximum(steps - depth, 0), steps)
-          def _drain(step, ring=ring):
-            plgpu.barrier_wait(empty.at[ring * depth + step % depth])
+        @pl.loop(jnp.maximum(steps - depth, 0), steps)
+        def _drain(step):
+          plgpu.barrier_wait(empty.at[step % depth])
 
       def consumer(wg):
         plgpu.set_max_registers(232, action="increase")
@@ -285,7 +285,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
         @pl.loop(0, (local_tiles - wg + 1) // 2)
         def _tile(q):
           row, col = tile_origin(wg + 2 * q)
-          first = q * k_iters
+          first = (wg + 2 * q) * k_iters   # the ring's step count before this tile
 
           def sub(ref, i, j):   # the (i, j) epilogue sub-tile of an [M, N] array
             return ref.at[pl.ds(row + i * t.epi, t.epi), pl.ds(col + j * t.epi, t.epi)]
@@ -308,15 +308,15 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
             def _step(kk):
               step = first + kk
               plgpu.barrier_wait(full.at[wg * depth + step % depth])
-              plgpu.wgmma(acc_ref, a_smem.at[wg, step % depth], b_smem.at[wg, step % depth])
+              plgpu.wgmma(acc_ref, a_smem.at[step % depth], b_smem.at[step % depth])
               plgpu.wgmma_wait(1)   # the previous step's product is done: free its slot
 
               @pl.when(kk > 0)
               def _():
-                plgpu.barrier_arrive(empty.at[wg * depth + (step - 1) % depth])
+                plgpu.barrier_arrive(empty.at[(step - 1) % depth])
 
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[wg * depth + (first + k_iters - 1) % depth])
+            plgpu.barrier_arrive(empty.at[(first + k_iters - 1) % depth])
             acc = acc_ref[...]
 
             if has_bias:
