@@ -136,7 +136,8 @@ def check_paths(args):
   """bf16 + cuDNN against fp32 + XLA on the same parameters and batch."""
   out = {}
   x = jax.random.uniform(jax.random.PRNGKey(3), (16, 224, 224, 3), jnp.float32, -1, 1)
-  for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla"]),
+  for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla",
+                                "model.mlp_impl=xla"]),
                      ("fast", [])):
     init, loss = pretrain_loss(build("B/16", "diffusion", 16, list(args.set) + sets), x)
     out[name] = float(jax.jit(loss)(init(0)))

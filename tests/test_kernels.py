@@ -128,3 +128,50 @@ def test_mlp_kernels_lower_for_hopper_at_model_sizes(model):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 2     # the forward and the backward kernel
+
+
+def _tiny_vit(mlp_impl, dtype=jnp.bfloat16):
+  # 2 images x 64 tokens (SOS + 63 patches) = 128 rows; MLP 64 -> 256 -> 64.
+  return vit.ViT(64, 2, 2, 256, reference_grid=(8, 8), dtype=dtype, mlp_impl=mlp_impl)
+
+
+def test_vit_with_hopper_mlp_matches_the_xla_mlp():
+  """model.mlp_impl='hopper' is the same model: same parameter tree, and the
+  features and parameter gradients agree to bf16 rounding."""
+  rows, cols = jnp.divmod(jnp.arange(64), 8)
+  args = (jax.random.normal(jax.random.key(0), (2, 63, 12)), rows[None, :63], cols[None, :63],
+          jnp.arange(1, 64)[None], (8, 8))
+  params = _tiny_vit("xla").init(jax.random.key(1), *args)["params"]
+  assert (jax.tree.structure(_tiny_vit("hopper").init(jax.random.key(1), *args)["params"])
+          == jax.tree.structure(params))
+  leaves, tree = jax.tree.flatten(params)   # non-zero biases, so a lost bias shows
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  params = jax.tree.unflatten(tree, [p + 0.1 * jax.random.normal(k, p.shape)
+                                     for p, k in zip(leaves, keys)])
+
+  def loss(impl):
+    def f(p):
+      feats = _tiny_vit(impl).apply({"params": p}, *args)["features"].astype(jnp.float32)
+      return jnp.mean(feats * jnp.sin(feats)), feats
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+  (_, f_x), g_x = loss("xla")
+  (_, f_h), g_h = loss("hopper")
+  assert f_h.shape == (2, 64, 64)
+  np.testing.assert_allclose(f_h, f_x, atol=0.1, rtol=0.05)
+  assert float(jnp.linalg.norm(f_h - f_x) / jnp.linalg.norm(f_x)) < 1e-2
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_h), jax.tree.leaves(g_x)):
+    err = float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-12))
+    assert err < 5e-2, (jax.tree_util.keystr(path), err)
+
+
+def test_hopper_mlp_errors_name_the_fix():
+  with pytest.raises(ValueError, match="unknown MLP implementation 'fast'; valid: xla, hopper"):
+    vit.check_mlp_impl("fast")
+  rows, cols = jnp.divmod(jnp.arange(64), 8)
+  args = (jnp.zeros((2, 63, 12)), rows[None, :63], cols[None, :63], jnp.arange(1, 64)[None],
+          (8, 8))
+  with pytest.raises(ValueError, match="model.dtype='bfloat16'"):
+    _tiny_vit("hopper", jnp.float32).init(jax.random.key(0), *args)
+  with pytest.raises(ValueError, match="multiple of tile_m"):   # 1 x 64 rows
+    _tiny_vit("hopper").init(jax.random.key(0), args[0][:1], *args[1:])

@@ -104,13 +104,60 @@ def _gelu_exact_bwd(x, g):
 gelu_exact.defvjp(_gelu_exact_fwd, _gelu_exact_bwd)
 
 
+# "xla": two Dense layers with the GELU between them, as XLA compiles them.
+# "hopper": the same function on darl_jax/kernels/hopper_mlp.py's Hopper
+# kernels (the GELU and its derivative inside the matrix products; bf16,
+# sm_90 GPUs; benchmarks/RESULTS.md has the speed-up). Same parameters.
+MLP_IMPLS = ("xla", "hopper")
+
+
+def check_mlp_impl(name: str) -> str:
+  if name not in MLP_IMPLS:
+    raise ValueError(f"unknown MLP implementation {name!r}; valid: {', '.join(MLP_IMPLS)}")
+  return name
+
+
+class _DenseParams(nn.Module):
+  """nn.Dense's parameters (same names, shapes and initialisers), unapplied."""
+  features: int
+
+  @nn.compact
+  def __call__(self, fan_in):
+    return (self.param("kernel", DENSE_INIT, (fan_in, self.features), jnp.float32),
+            self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
+
+
+def _hopper_mlp(x, w1, b1, w2, b2, dtype):
+  from darl_jax.kernels import hopper_mlp   # imports Pallas Mosaic GPU only when used
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
+                     "or model.mlp_impl='xla'")
+  rows = 1
+  for d in x.shape[:-1]:
+    rows *= d
+  for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
+    tiling.check(rows, w1.shape[1], w1.shape[0])
+  device = jax.devices()[0]
+  if device.platform == "gpu" and float(getattr(device, "compute_capability", "9.0")) < 9.0:
+    raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
+                     f"{device.device_kind}; use model.mlp_impl='xla'")
+  # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
+  return hopper_mlp.mlp(x.astype(dtype), w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
+                        jax.default_backend() != "gpu")
+
+
 class Mlp(nn.Module):
   hidden: int
   dtype: Any = jnp.float32
+  impl: str = "xla"
 
   @nn.compact
   def __call__(self, x):
     width = x.shape[-1]
+    if check_mlp_impl(self.impl) == "hopper":
+      w1, b1 = _DenseParams(self.hidden, name="fc1")(width)
+      w2, b2 = _DenseParams(width, name="fc2")(self.hidden)
+      return _hopper_mlp(x, w1, b1, w2, b2, self.dtype)
     h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
     # Exact (erf) GELU as in the standard ViT, so exported weights behave the
     # same; see gelu_exact for how it is computed.
@@ -126,6 +173,7 @@ class Block(nn.Module):
   attention_impl: str = "xla"
   drop_path: float = 0.0
   dtype: Any = jnp.float32
+  mlp_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
@@ -135,7 +183,7 @@ class Block(nn.Module):
         dtype=self.dtype, name="attn")(y, rope, mask)
     x = x + DropPath(self.drop_path)(y, deterministic)
     y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
-    y = Mlp(self.mlp_dim, dtype=self.dtype, name="mlp")(y)
+    y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, name="mlp")(y)
     return x + DropPath(self.drop_path)(y, deterministic)
 
 
@@ -174,11 +222,13 @@ class ViT(nn.Module):
   dtype: Any = jnp.float32
   scan_layers: bool = False
   remat: str = "none"   # none | full | save_dots
+  mlp_impl: str = "xla"   # xla | hopper (MLP_IMPLS)
 
   def _block_kwargs(self, i: int) -> dict:
     rate = self.drop_path * i / max(self.depth - 1, 1)  # linearly increasing
     return dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, causal=self.causal,
-                attention_impl=self.attention_impl, drop_path=rate, dtype=self.dtype)
+                attention_impl=self.attention_impl, drop_path=rate, dtype=self.dtype,
+                mlp_impl=self.mlp_impl)
 
   def embed_tokens(self, patches, rows, cols, index, grid_hw, prepend_sos: bool):
     """Patch embedding, additive positions, SOS and the RoPE tables.
@@ -271,7 +321,7 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
   ``model_cfg`` keys: variant ("L/16"), optional width/depth/num_heads/mlp_dim
   overrides, image_size, reference_image_size (the resolution positions were
   trained at; defaults to image_size), posenc, rope_max_wavelength, causal,
-  attention_impl, dtype, drop_path, scan_layers, remat.
+  attention_impl, dtype, drop_path, scan_layers, remat, mlp_impl.
   """
   variant, patch = parse_variant(model_cfg.variant)
   get = lambda k, d=None: model_cfg.get(k, d) if hasattr(model_cfg, "get") else getattr(model_cfg, k, d)
@@ -282,6 +332,7 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
       raise ValueError(f"image size {s} is not divisible by patch size {patch}; choose "
                        f"an image_size that is a multiple of {patch}")
   attention_lib.check_attention_impl(get("attention_impl", "xla"))
+  check_mlp_impl(get("mlp_impl", "xla"))
   module = ViT(
       width=get("width") or variant.width,
       depth=get("depth") or variant.depth,
@@ -295,7 +346,8 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
       drop_path=get("drop_path", 0.0),
       dtype=dtype_from_name(dtype or get("dtype", "float32")),
       scan_layers=get("scan_layers", False),
-      remat=get("remat", "none"))
+      remat=get("remat", "none"),
+      mlp_impl=get("mlp_impl", "xla"))
   return module, patch
 
 
