@@ -135,11 +135,12 @@ def pretrain_loss(config, images):
 def check_paths(args):
   """bf16 + cuDNN against fp32 + XLA on the same parameters and batch."""
   out = {}
-  x = jax.random.uniform(jax.random.PRNGKey(3), (16, 224, 224, 3), jnp.float32, -1, 1)
+  # 32 x 196 tokens: a multiple of 128 rows, so model.mlp_impl=hopper runs its kernels.
+  x = jax.random.uniform(jax.random.PRNGKey(3), (32, 224, 224, 3), jnp.float32, -1, 1)
   for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla",
                                 "model.mlp_impl=xla"]),
                      ("fast", [])):
-    init, loss = pretrain_loss(build("B/16", "diffusion", 16, list(args.set) + sets), x)
+    init, loss = pretrain_loss(build("B/16", "diffusion", 32, list(args.set) + sets), x)
     out[name] = float(jax.jit(loss)(init(0)))
   rel = abs(out["fast"] - out["plain"]) / abs(out["plain"])
   print(f"check: loss plain {out['plain']:.5f} fast {out['fast']:.5f} rel diff {rel:.2e} "

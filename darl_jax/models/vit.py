@@ -107,7 +107,8 @@ gelu_exact.defvjp(_gelu_exact_fwd, _gelu_exact_bwd)
 # "xla": two Dense layers with the GELU between them, as XLA compiles them.
 # "hopper": the same function on darl_jax/kernels/hopper_mlp.py's Hopper
 # kernels (the GELU and its derivative inside the matrix products; bf16,
-# sm_90 GPUs; benchmarks/RESULTS.md has the speed-up). Same parameters.
+# sm_90 GPUs; benchmarks/RESULTS.md has the speed-up) wherever batch x tokens
+# is a multiple of 128, the XLA MLP elsewhere. Same parameters.
 MLP_IMPLS = ("xla", "hopper")
 
 
@@ -127,20 +128,29 @@ class _DenseParams(nn.Module):
             self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
 
 
+def _dense(x, w, b, dtype):
+  return jnp.dot(x.astype(dtype), w.astype(dtype)) + b.astype(dtype)
+
+
 def _hopper_mlp(x, w1, b1, w2, b2, dtype):
   from darl_jax.kernels import hopper_mlp   # imports Pallas Mosaic GPU only when used
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
                      "or model.mlp_impl='xla'")
-  rows = 1
-  for d in x.shape[:-1]:
-    rows *= d
-  for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
-    tiling.check(rows, w1.shape[1], w1.shape[0])
   device = jax.devices()[0]
   if device.platform == "gpu" and float(getattr(device, "compute_capability", "9.0")) < 9.0:
     raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
                      f"{device.device_kind}; use model.mlp_impl='xla'")
+  rows = 1
+  for d in x.shape[:-1]:
+    rows *= d
+  try:
+    for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
+      tiling.check(rows, w1.shape[1], w1.shape[0])
+  except ValueError:
+    # Shapes the kernels do not tile (parameter init on one example, a last
+    # partial batch): the XLA MLP, which computes the same function.
+    return _dense(gelu_exact(_dense(x, w1, b1, dtype)), w2, b2, dtype)
   # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
   return hopper_mlp.mlp(x.astype(dtype), w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
                         jax.default_backend() != "gpu")
