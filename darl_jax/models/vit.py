@@ -138,6 +138,9 @@ def _hopper_mlp(x, w1, b1, w2, b2, dtype):
     raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
                      "or model.mlp_impl='xla'")
   device = jax.devices()[0]
+  if device.platform not in ("gpu", "cpu"):
+    raise ValueError(f"model.mlp_impl='hopper' is for NVIDIA Hopper GPUs, not "
+                     f"{device.platform}; use model.mlp_impl='xla'")
   if device.platform == "gpu" and float(getattr(device, "compute_capability", "9.0")) < 9.0:
     raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
                      f"{device.device_kind}; use model.mlp_impl='xla'")
