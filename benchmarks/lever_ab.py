@@ -6,8 +6,8 @@ Each variant swaps one piece of the model for a version that computes the
 same function (gradients equal to float32 rounding; tests/test_benchmarks.py
 checks it) but is scheduled differently, then times the real pretraining step
 with pretrain_benchmark.run_case, all in one process so the rows compare.
-On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth" and
-"fifth session"); a new XLA may change that, which is why they are kept runnable:
+On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth
+session"); a new XLA may change that, which is why they are kept runnable:
 
 - ``mlp_recompute``: the MLP under one custom VJP that keeps only its input
   and the pre-activation and recomputes GELU in the backward, so the GELU
@@ -18,10 +18,6 @@ On jax 0.11.2 / H200 none was faster (benchmarks/RESULTS.md, "fourth" and
   angle) instead of autodiff's slices and pads.
 - ``bias_gemv``: every dense layer's bias gradient as a ones-vector matrix
   product (a cuBLAS GEMV) instead of a column sum fused into its producer.
-- ``hopper_mlp``: the MLP on darl_jax/kernels/hopper_mlp.py's Pallas Mosaic
-  GPU kernels (GELU in the fc1 product's epilogue, its derivative in the
-  backward product's), where the shapes tile; the plain MLP elsewhere. Needs
-  a Hopper GPU to be timed (on CPU it runs interpreted).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -43,7 +39,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from darl_jax.kernels import hopper_mlp  # noqa: E402
 from darl_jax.models import attention as attention_lib  # noqa: E402
 from darl_jax.models import posenc, vit  # noqa: E402
 
@@ -246,35 +241,6 @@ class DenseBiasGemv(nn.Module):
     return bias_add_gemv(y, b.astype(self.dtype))
 
 
-# ------------------------------------------------------------ Hopper MLP kernels
-
-
-class MlpHopper(nn.Module):
-  """vit.Mlp's parameters, darl_jax.kernels.hopper_mlp's kernels where the
-  shape tiles (the backbone's MLPs); the plain MLP elsewhere."""
-  hidden: int
-  dtype: object = jnp.float32
-  kernels = hopper_mlp.DEFAULT_KERNELS
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    w1, b1 = _DenseParams(self.hidden, name="fc1")(d)
-    w2, b2 = _DenseParams(d, name="fc2")(self.hidden)
-    x = x.astype(self.dtype)
-    try:
-      hopper_mlp.DEFAULT_TILING.check(math.prod(x.shape[:-1]), self.hidden, d)
-    except ValueError:
-      return hopper_mlp.reference_mlp(x, w1, b1, w2, b2)
-    return hopper_mlp.mlp(x, w1, b1, w2, b2, self.kernels, jax.default_backend() != "gpu")
-
-
-class MlpHopperWide(MlpHopper):
-  """MlpHopper with 64 x 256 tiles per warpgroup (wgmma's widest N)."""
-  kernels = hopper_mlp.MlpKernels(hopper_mlp.Tiling(tile_m=64, tile_n=256),
-                                  hopper_mlp.Tiling(tile_m=64, tile_n=256))
-
-
 # ------------------------------------------------------------ registry
 
 VARIANTS = {
@@ -283,8 +249,6 @@ VARIANTS = {
     "ln_mlp_recompute": [(vit, "Block", BlockLnMlpRecompute)],
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
-    "hopper_mlp": [(vit, "Mlp", MlpHopper)],
-    "hopper_mlp_wide": [(vit, "Mlp", MlpHopperWide)],
 }
 
 

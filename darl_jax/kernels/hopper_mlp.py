@@ -16,26 +16,22 @@ kernels do:
 
 Both are one Pallas Mosaic GPU kernel (``_gemm``): a persistent grid over
 output tiles; per CTA one memory warpgroup streams A and B tiles into shared
-memory through the bulk tensor copy engine, and two compute warpgroups each
-own a ``tile_m x tile_n`` float32 accumulator (``wgmma``), side by side along
-N; the epilogue runs on ``epi x epi`` sub-tiles and stores through shared
-memory with bulk copies.
+memory through the bulk tensor copy engine, and two compute warpgroups take
+alternate output tiles ("ping-pong": one's epilogue runs while the other's
+``wgmma`` products do), each with a ``tile_m x tile_n`` float32
+accumulator; the epilogue runs on ``epi x epi`` sub-tiles and stores
+through shared memory with bulk copies.
 
 ``mlp`` composes them into the MLP with a custom gradient; everything else
 (fc2, the weight gradients, the bias sums) stays XLA's. The kernels need
 a Hopper GPU; elsewhere they run in Pallas's GPU interpret mode (slow, for
 tests; tests/test_kernels.py).
 
-Status (benchmarks/RESULTS.md, "fifth session"; H200, jax 0.11.2): correct,
-and each kernel is faster than the XLA pair it replaces when timed alone, but
-the ViT-L/16 training step is no faster with them (kernel time 106.3 vs 105.8
-ms per step at batch 128), so the model does not use them; run them in the
-step with ``benchmarks/lever_ab.py --variants=base,hopper_mlp``. Two things
-hold them back: the product alone runs about 13% under cuBLAS at these
-shapes (K = 1024 gives each tile only 32 pipeline steps), and the epilogue
-(GELU arithmetic and the extra stores) runs after each tile's product
-instead of beside the next one, which needs the two compute warpgroups to
-work on different tiles (a "ping-pong" schedule) rather than halves of one.
+Use: ``model.mlp_impl='hopper'`` (models/vit.py). Measured on an H200 with
+jax 0.11.2 (benchmarks/RESULTS.md, "fifth session"): each kernel about 27%
+faster than the XLA pair it replaces, the ViT-L/16 training step 2-2.5%
+faster, ViT-H/14's unchanged; compiling the step takes 100-135 s instead of
+about 20.
 """
 
 from __future__ import annotations
