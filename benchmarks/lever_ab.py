@@ -135,9 +135,11 @@ class _MlpParams(nn.Module):
 
 
 class MlpRecompute(nn.Module):
-  """vit.Mlp's parameters, mlp_recompute's schedule."""
+  """vit.Mlp's parameters, mlp_recompute's schedule (``impl``, which the
+  blocks pass, is ignored: this variant is its own implementation)."""
   hidden: int
   dtype: object = jnp.float32
+  impl: str = "xla"
 
   @nn.compact
   def __call__(self, x):
