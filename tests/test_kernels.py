@@ -179,3 +179,15 @@ def test_hopper_mlp_errors_name_the_fix_and_untiled_shapes_fall_back():
   params = _tiny_vit("xla").init(jax.random.key(0), *one)["params"]
   np.testing.assert_array_equal(_tiny_vit("hopper").apply({"params": params}, *one)["features"],
                                 _tiny_vit("xla").apply({"params": params}, *one)["features"])
+
+
+def test_mlp_kernel_bench_parses_tilings():
+  import argparse
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+  import mlp_kernel_bench
+  assert mlp_kernel_bench.parse_tiling("64x256x32x6") == hm.Tiling(
+      tile_m=64, tile_n=256, tile_k=32, stages=6)
+  with pytest.raises(argparse.ArgumentTypeError, match="MxNxKxSTAGES"):
+    mlp_kernel_bench.parse_tiling("128x128")
