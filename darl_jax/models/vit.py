@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -141,12 +142,12 @@ def _hopper_mlp(x, w1, b1, w2, b2, dtype):
   if device.platform not in ("gpu", "cpu"):
     raise ValueError(f"model.mlp_impl='hopper' is for NVIDIA Hopper GPUs, not "
                      f"{device.platform}; use model.mlp_impl='xla'")
-  if device.platform == "gpu" and float(getattr(device, "compute_capability", "9.0")) < 9.0:
+  # wgmma is sm_90 only (Blackwell's tensor cores take other instructions).
+  if device.platform == "gpu" and not str(getattr(device, "compute_capability", "9.0")
+                                          ).startswith("9."):
     raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
                      f"{device.device_kind}; use model.mlp_impl='xla'")
-  rows = 1
-  for d in x.shape[:-1]:
-    rows *= d
+  rows = math.prod(x.shape[:-1])
   try:
     for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
       tiling.check(rows, w1.shape[1], w1.shape[0])
