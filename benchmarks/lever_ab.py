@@ -115,22 +115,13 @@ def _ln_mlp_bwd(res, g):
 ln_mlp_recompute.defvjp(_ln_mlp_fwd, _ln_mlp_bwd)
 
 
-class _DenseParams(nn.Module):
-  features: int
-
-  @nn.compact
-  def __call__(self, fan_in):
-    return (self.param("kernel", vit.DENSE_INIT, (fan_in, self.features), jnp.float32),
-            self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
-
-
 class _MlpParams(nn.Module):
   hidden: int
 
   @nn.compact
   def __call__(self, width):
-    w1, b1 = _DenseParams(self.hidden, name="fc1")(width)
-    w2, b2 = _DenseParams(width, name="fc2")(self.hidden)
+    w1, b1 = vit.DenseParams(self.hidden, name="fc1")(width)
+    w2, b2 = vit.DenseParams(width, name="fc2")(self.hidden)
     return w1, b1, w2, b2
 
 
@@ -143,8 +134,8 @@ class MlpRecompute(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    w1, b1 = _DenseParams(self.hidden, name="fc1")(x.shape[-1])
-    w2, b2 = _DenseParams(x.shape[-1], name="fc2")(self.hidden)
+    w1, b1 = vit.DenseParams(self.hidden, name="fc1")(x.shape[-1])
+    w2, b2 = vit.DenseParams(x.shape[-1], name="fc2")(self.hidden)
     c = lambda a: a.astype(self.dtype)  # noqa: E731
     return mlp_recompute(c(x), c(w1), c(b1), c(w2), c(b2))
 

@@ -119,7 +119,7 @@ def check_mlp_impl(name: str) -> str:
   return name
 
 
-class _DenseParams(nn.Module):
+class DenseParams(nn.Module):
   """nn.Dense's parameters (same names, shapes and initialisers), unapplied."""
   features: int
 
@@ -129,11 +129,11 @@ class _DenseParams(nn.Module):
             self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
 
 
-def _dense(x, w, b, dtype):
-  return jnp.dot(x.astype(dtype), w.astype(dtype)) + b.astype(dtype)
-
-
-def _hopper_mlp(x, w1, b1, w2, b2, dtype):
+def _hopper_kernels_fit(x, hidden: int, dtype) -> bool:
+  """Whether ``mlp_impl='hopper'`` runs its kernels on ``x``: errors that name
+  the fix for a wrong dtype or device; False for shapes the kernels do not
+  tile (parameter init on one example, a last partial batch), which take the
+  XLA MLP, the same function."""
   from darl_jax.kernels import hopper_mlp   # imports Pallas Mosaic GPU only when used
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
@@ -147,17 +147,12 @@ def _hopper_mlp(x, w1, b1, w2, b2, dtype):
                                           ).startswith("9."):
     raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
                      f"{device.device_kind}; use model.mlp_impl='xla'")
-  rows = math.prod(x.shape[:-1])
   try:
     for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
-      tiling.check(rows, w1.shape[1], w1.shape[0])
+      tiling.check(math.prod(x.shape[:-1]), hidden, x.shape[-1])
   except ValueError:
-    # Shapes the kernels do not tile (parameter init on one example, a last
-    # partial batch): the XLA MLP, which computes the same function.
-    return _dense(gelu_exact(_dense(x, w1, b1, dtype)), w2, b2, dtype)
-  # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
-  return hopper_mlp.mlp(x.astype(dtype), w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
-                        jax.default_backend() != "gpu")
+    return False
+  return True
 
 
 class Mlp(nn.Module):
@@ -168,10 +163,14 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     width = x.shape[-1]
-    if check_mlp_impl(self.impl) == "hopper":
-      w1, b1 = _DenseParams(self.hidden, name="fc1")(width)
-      w2, b2 = _DenseParams(width, name="fc2")(self.hidden)
-      return _hopper_mlp(x, w1, b1, w2, b2, self.dtype)
+    if (check_mlp_impl(self.impl) == "hopper"
+        and _hopper_kernels_fit(x, self.hidden, self.dtype)):
+      from darl_jax.kernels import hopper_mlp
+      w1, b1 = DenseParams(self.hidden, name="fc1")(width)
+      w2, b2 = DenseParams(width, name="fc2")(self.hidden)
+      # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
+      return hopper_mlp.mlp(x.astype(self.dtype), w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
+                            jax.default_backend() != "gpu")
     h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
     # Exact (erf) GELU as in the standard ViT, so exported weights behave the
     # same; see gelu_exact for how it is computed.
