@@ -19,15 +19,19 @@ SMALL = hm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
 M, K, N = 512, 128, 256
 
 
+def _gelu_grad(x):
+  """The model's GELU derivative (gelu_exact's custom gradient), elementwise."""
+  return jax.grad(lambda v: jnp.sum(vit.gelu_exact(v)))(x)
+
+
 def _rand(key, shape, scale=1.0, dtype=jnp.float32):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
 def test_kernel_gelu_is_the_exact_gelu():
   x = jnp.linspace(-12.0, 12.0, 100_001, dtype=jnp.float32)
-  np.testing.assert_allclose(hm.kernel_gelu(x), hm.gelu(x), rtol=0, atol=2e-6)
-  np.testing.assert_allclose(hm.kernel_gelu_grad(x), hm.gelu_grad(x), rtol=0, atol=2e-6)
-  np.testing.assert_allclose(hm.gelu(x), vit.gelu_exact(x), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(hm.kernel_gelu(x), vit.gelu_exact(x), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(hm.kernel_gelu_grad(x), _gelu_grad(x), rtol=0, atol=2e-6)
   # Far in the negative tail the kernel form keeps its relative accuracy
   # (no 1 + erf cancellation): Phi(-8) = 6.2e-16.
   tail = float(hm.kernel_gelu(jnp.float32(-8.0)))
@@ -45,7 +49,7 @@ def test_dense_gelu_matches_xla():
   # bf16 results: one rounding of the float32 value (every element compared,
   # so an unwritten tile fails too).
   np.testing.assert_allclose(h.astype(jnp.float32), ref, rtol=2 ** -8, atol=1e-3)
-  np.testing.assert_allclose(g.astype(jnp.float32), hm.gelu(h.astype(jnp.float32)),
+  np.testing.assert_allclose(g.astype(jnp.float32), vit.gelu_exact(h.astype(jnp.float32)),
                              rtol=2 ** -8, atol=1e-3)
 
 
@@ -55,7 +59,7 @@ def test_matmul_dgelu_matches_xla():
   wt = _rand(ks[1], (K, N), K ** -0.5, jnp.bfloat16)
   h = _rand(ks[2], (M, N), 2.0, jnp.bfloat16)
   dh = hm.matmul_dgelu(dy, wt, h, tiling=SMALL, interpret=True)
-  ref = (dy.astype(jnp.float32) @ wt.astype(jnp.float32)) * hm.gelu_grad(h.astype(jnp.float32))
+  ref = (dy.astype(jnp.float32) @ wt.astype(jnp.float32)) * _gelu_grad(h.astype(jnp.float32))
   np.testing.assert_allclose(dh.astype(jnp.float32), ref, rtol=2 ** -7, atol=2e-3)
 
 
@@ -81,7 +85,7 @@ def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
   def mlp_f32(p, x):
     r = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     h = x.astype(jnp.float32) @ r(p["fc1"]["kernel"]) + r(p["fc1"]["bias"])
-    return hm.gelu(h) @ r(p["fc2"]["kernel"]) + r(p["fc2"]["bias"])
+    return vit.gelu_exact(h) @ r(p["fc2"]["kernel"]) + r(p["fc2"]["bias"])
 
   def rel(a, b):
     b = b.astype(jnp.float32)

@@ -96,24 +96,14 @@ class MlpKernels:
 DEFAULT_KERNELS = MlpKernels()
 
 
-def gelu(x):
-  """Exact GELU in float32 (as models.vit.gelu_exact), through lax.erf."""
-  return 0.5 * x * (1.0 + lax.erf(x * _SQRT_HALF))
-
-
-def gelu_grad(x):
-  """d gelu / dx = Phi(x) + x phi(x), float32, through lax.erf."""
-  return 0.5 * (1.0 + lax.erf(x * _SQRT_HALF)) + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
-
-
 # erfc(z) ~= t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z), z >= 0:
 # Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7. Mosaic GPU (jax
 # 0.10 and 0.11) has no layout rule for erf, and the epilogue's arithmetic
 # shares the multiprocessor with the other warpgroup's products, so this
-# form is built from the cheapest operations: 1 / (1 + p z) as rsqrt(.)^2 (its argument is >= 1) and exp as
-# exp2, each one hardware approximation under approx_math. Taking
-# Phi(x) = erfc(-x / sqrt 2) / 2 from it also avoids 1 + erf(x)'s
-# cancellation in the far negative tail.
+# form is built from the cheapest operations: 1 / (1 + p z) as rsqrt(.)^2
+# (its argument is >= 1) and exp as exp2, each one hardware approximation
+# under approx_math. Taking Phi(x) = erfc(-x / sqrt 2) / 2 from it also
+# avoids 1 + erf(x)'s cancellation in the far negative tail.
 _AS_P = 0.3275911
 _AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 _LOG2E = math.log2(math.e)
@@ -133,7 +123,7 @@ def _cdf_pdf(x):
 
 
 def kernel_gelu(x):
-  """GELU as the kernels evaluate it (within 1e-6 of ``gelu``)."""
+  """GELU as the kernels evaluate it (within 1e-6 of models.vit.gelu_exact)."""
   return x * _cdf_pdf(x)[0]
 
 
@@ -423,5 +413,5 @@ mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 __all__: Sequence[str] = ("Tiling", "DEFAULT_TILING", "MlpKernels", "DEFAULT_KERNELS",
-                          "dense_gelu", "matmul_dgelu", "mlp", "gelu", "gelu_grad",
-                          "kernel_gelu", "kernel_gelu_grad")
+                          "dense_gelu", "matmul_dgelu", "mlp", "kernel_gelu",
+                          "kernel_gelu_grad")
