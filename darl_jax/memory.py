@@ -30,7 +30,7 @@ width ``D``, MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of
         2 F/t: MLP hidden before and after the GELU
     attention = (4 + a) * (H / t) * T^2   for attention_impl=xla (fp32 softmax
                 probabilities and their compute-dtype copy), 4 * (H / t) * T
-                for cudnn (the flash kernel keeps only the log-sum-exp)
+                for cudnn and hopper (flash kernels keep only the log-sum-exp)
     block (remat=save_dots) = a * T * (2 D + (3 D + F) / t + D)
         the block input, q/k/v, both Dense outputs of width D, fc1 output
     block (remat=full) = a * T * D  (the block input)
@@ -135,7 +135,7 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
     return a * tokens * (2 * d + (3 * d + f) / t + d)
   if remat != "none":
     raise ValueError(f"unknown remat {remat!r}; valid: {', '.join(REMATS)}")
-  if attention_impl == "cudnn":
+  if attention_impl in ("cudnn", "hopper"):   # flash kernels keep the log-sum-exp only
     attention = 4 * heads / t * tokens
   else:
     attention = (4 + a) * heads / t * tokens ** 2
@@ -234,7 +234,7 @@ def main(argv=None) -> str:
   parser.add_argument("--image_size", type=int, default=224)
   parser.add_argument("--objective", default="diffusion", choices=("diffusion", "mse"))
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--attention_impl", default="xla", choices=("xla", "cudnn"))
+  parser.add_argument("--attention_impl", default="xla", choices=("xla", "cudnn", "hopper"))
   parser.add_argument("--device_gib", type=float, default=None,
                       help="device memory; marks totals that fit in 85%% of it 'ok' "
                            "(after the measured 1.4x for remat none, 1.1x otherwise)")

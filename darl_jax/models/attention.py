@@ -10,7 +10,7 @@ from flax import linen as nn
 
 from darl_jax.models import posenc as posenc_lib
 
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "hopper")
 
 # MAE initialises every nn.Linear with Xavier-uniform over the 2D weight.
 # DenseGeneral initialises its kernel in the flattened 2D shape ([D, 3*D] for
@@ -36,16 +36,44 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
 
   ``xla`` works everywhere (softmax in float32). ``cudnn`` is the fused flash
   kernel on NVIDIA GPUs; it needs bf16/fp16 inputs and, on the cards we tried,
-  an even sequence length (see docs). ``mask`` ([B or 1, 1 or H, Tq, Tk],
-  True = attend) is combined with the causal mask when both are given.
+  an even sequence length (see docs). ``hopper`` runs causal attention
+  without a mask through our sm_90 kernels (kernels/hopper_attention.py:
+  about 30% faster than cuDNN at the pretraining shapes) and everything
+  else as ``cudnn`` (as ``xla`` off the GPU, where the kernels run in
+  Pallas's interpreter for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
+  = attend) is combined with the causal mask when both are given.
   Sequences of at most ``SHORT_KEYS`` keys (the two-token denoising decoder)
   take ``short_attention`` on the xla path.
   """
   check_attention_impl(impl)
+  if impl == "hopper":
+    if causal and mask is None and _hopper_attention_fits(q, k, v):
+      from darl_jax.kernels import hopper_attention   # Pallas Mosaic GPU only when used
+      return hopper_attention.causal_attention(
+          q, k, v, hopper_attention.DEFAULT_ATTENTION_TILING, jax.default_backend() != "gpu")
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla" and k.shape[1] <= SHORT_KEYS:
     return short_attention(q, k, v, causal=causal, mask=mask)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask, is_causal=causal, implementation=impl)
+
+
+def _hopper_attention_fits(q, k, v) -> bool:
+  """Whether ``attention_impl='hopper'`` runs its kernels on q, k, v: errors
+  that name the fix for a wrong device; False for inputs the kernels do not
+  take (float32, head_dim not a multiple of 64, a batch x tokens that is not a
+  multiple of 64), which go to cuDNN."""
+  from darl_jax.kernels import hopper_attention
+  device = jax.devices()[0]
+  if device.platform not in ("gpu", "cpu"):
+    raise ValueError(f"model.attention_impl='hopper' is for NVIDIA Hopper GPUs, not "
+                     f"{device.platform}; use model.attention_impl='xla'")
+  # wgmma is sm_90 only (Blackwell's tensor cores take other instructions).
+  if device.platform == "gpu" and not str(getattr(device, "compute_capability", "9.0")
+                                          ).startswith("9."):
+    raise ValueError(f"model.attention_impl='hopper' needs a Hopper GPU (sm_90), not "
+                     f"{device.device_kind}; use model.attention_impl='cudnn'")
+  return hopper_attention.fits(q, k, v)
 
 
 def short_attention(q, k, v, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:

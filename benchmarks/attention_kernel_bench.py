@@ -1,0 +1,97 @@
+"""The Hopper attention kernels (darl_jax/kernels/hopper_attention.py) against
+cuDNN and XLA, on one GPU.
+
+    python benchmarks/attention_kernel_bench.py --shape=L/16:128 --slots=0,2,3
+
+For one layer's causal self-attention at a model's shape ([batch, tokens,
+heads, head_dim] bf16), it checks the kernels' output and gradients against
+float32 attention (relative error; cuDNN's error printed beside them), then
+times the forward alone and forward + backward for cuDNN
+(``jax.nn.dot_product_attention(implementation='cudnn')``), XLA, and the
+kernels at each ``slots`` setting. Times are medians over repeats of
+back-to-back launches; TFLOP/s counts the causal half of the four
+attention products (MaxText's convention), backward = 2 x forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from darl_jax.kernels import hopper_attention as ha  # noqa: E402
+from mlp_kernel_bench import rel_err, timed  # noqa: E402
+
+# tokens per image, heads, head_dim
+SHAPES = {"B/16": (196, 12, 64), "L/16": (196, 16, 64), "H/14": (256, 16, 80)}
+
+
+def parse_shape(text: str):
+  model, _, batch = text.partition(":")
+  if model not in SHAPES:
+    raise argparse.ArgumentTypeError(f"unknown model {model!r}; valid: {', '.join(SHAPES)}")
+  t, h, d = SHAPES[model]
+  return (int(batch or 128), t, h, d)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shape", type=parse_shape, default="L/16:128",
+                      help="MODEL:BATCH, MODEL one of " + ", ".join(SHAPES))
+  parser.add_argument("--slots", default="0,2,3",
+                      help="comma-separated AttentionTiling.slots values to time")
+  parser.add_argument("--iters", type=int, default=10)
+  args = parser.parse_args()
+  b, t, h, d = args.shape
+  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+        f"shape [B={b}, T={t}, H={h}, D={d}] causal")
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in ks)
+
+  def plain(impl, dtype=None):
+    def f(q, k, v):
+      if dtype is not None:
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return f
+
+  def kernel(slots):
+    return lambda q, k, v: ha.causal_attention(q, k, v, ha.AttentionTiling(slots))
+
+  def fwd_bwd(f):
+    @jax.jit
+    def g(q, k, v, do):
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out,) + vjp(do.astype(out.dtype))
+    return g
+
+  ref = fwd_bwd(plain("xla", jnp.float32))(q, k, v, do)
+  slots = [int(s) for s in args.slots.split(",") if s]
+  candidates = {"cudnn": plain("cudnn"), "xla (bf16)": plain("xla")}
+  candidates.update({f"kernels, slots={s}": kernel(s) for s in slots})
+  flops_fwd = 4 * b * h * t * t * d / 2
+  print("| computation | max rel. error (out, dq, dk, dv) | fwd ms | fwd+bwd ms | "
+        "fwd+bwd TFLOP/s |")
+  print("|---|---|---|---|---|")
+  for name, f in candidates.items():
+    try:
+      got = fwd_bwd(f)(q, k, v, do)
+    except Exception as e:   # cuDNN refuses some shapes; report and go on
+      print(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+      continue
+    errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
+    t_f = timed(jax.jit(f), q, k, v, iters=args.iters) * 1e3
+    t_fb = timed(fwd_bwd(f), q, k, v, do, iters=args.iters) * 1e3
+    print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} | "
+          f"{3 * flops_fwd / (t_fb * 1e-3) / 1e12:.0f} |")
+
+
+if __name__ == "__main__":
+  main()
