@@ -79,8 +79,11 @@ def check_shapes(q, k, v) -> None:
                     f"{q.shape}, {k.shape}, {v.shape}")
   else:
     b, t, _, d = q.shape
-    if d % 64:
-      problems.append(f"head_dim {d} is not a multiple of 64")
+    # wgmma takes bf16 operands 16 deep and at most 256 wide; shared-memory
+    # rows of other than 128 bytes get a narrower swizzle (head_dim 80, as
+    # in ViT-H/14: 160-byte rows, 32-byte swizzle).
+    if d % 16 or d > 256:
+      problems.append(f"head_dim {d} is not a multiple of 16 up to 256")
     if t < BLOCK:
       problems.append(f"{t} tokens is under one {BLOCK}-row tile")
     if (b * t) % BLOCK:
