@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from darl_jax.kernels.hopper_mlp import _interpret_params, _swizzled
+from darl_jax.kernels.mosaic import interpret_params, swizzled
 
 BLOCK = 64            # rows of every tile: one wgmma M, and a 128-byte bf16 row at D = 64
 _LOG2E = math.log2(math.e)
@@ -211,7 +211,7 @@ def _call(body, *, inputs, out_type, scratch, grid, interpret):
       entry, out_type=out_type, grid=grid, grid_names=("tile", "head"),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=_interpret_params(interpret))(*inputs)
+      interpret=interpret_params(interpret))(*inputs)
 
 
 def _slots(tiling: AttentionTiling, longest: int) -> int:
@@ -246,7 +246,7 @@ def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
   slots = _slots(tiling, _max_span(_q_span, tiles, seg))
   scale = d ** -0.5
   ops = _Ops(interpret)
-  tf = _swizzled(d, q.dtype)
+  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, o_ref, lse_ref,
            q_smem, k_smem, v_smem, lse_smem, q_bar, kv_bar):
@@ -308,7 +308,7 @@ def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool)
   slots = _slots(tiling, _max_span(_q_span, tiles, seg))
   scale = d ** -0.5
   ops = _Ops(interpret)
-  tf = _swizzled(d, q.dtype)
+  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref,
            q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, held_bar, kv_bar):
@@ -374,7 +374,7 @@ def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: 
   slots = _slots(tiling, _max_span(_kv_span, tiles, seg))
   scale = d ** -0.5
   ops = _Ops(interpret)
-  tf = _swizzled(d, q.dtype)
+  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
            k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,

@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from darl_jax.kernels.mosaic import interpret_params, swizzled
+
 _SQRT_HALF = 2.0 ** -0.5
 _INV_SQRT_2PI = (2.0 * math.pi) ** -0.5
 
@@ -142,22 +144,6 @@ def _num_ctas(tiles: int, tiling: Tiling, interpret: bool) -> int:
   return min(getattr(jax.devices()[0], "core_count", 132), tiles)
 
 
-def _interpret_params(interpret: bool):
-  if not interpret:
-    return None
-  params = getattr(plgpu, "InterpretParams", None)
-  if params is None:   # jax 0.10 keeps it private
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-  return params()
-
-
-def _swizzled(cols: int, dtype) -> tuple:
-  """Shared-memory tiling + swizzle for a tile whose rows hold ``cols`` elements."""
-  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
-
-
 def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
           tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
   """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
@@ -191,8 +177,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   ctas = _num_ctas(tiles, t, interpret)
   subtiles = [(i, j) for i in range(tm // t.epi) for j in range(tn // t.epi)]
   n_sub = len(subtiles)
-  in_transforms = _swizzled(tk, dtype)
-  epi_transforms = _swizzled(t.epi, dtype)
+  in_transforms = swizzled(tk, dtype)
+  epi_transforms = swizzled(t.epi, dtype)
   has_bias, has_aux = bias is not None, aux is not None
   # A single output computed from aux is written over its aux sub-tile in
   # shared memory and stored from there; other outputs go through two
@@ -343,7 +329,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
       grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=_interpret_params(interpret))
+      interpret=interpret_params(interpret))
   return kernel(*inputs)
 
 

@@ -1,0 +1,25 @@
+"""What the Pallas Mosaic GPU kernels of this package share."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def interpret_params(interpret: bool):
+  """``plgpu.kernel``'s ``interpret`` argument: Pallas's GPU interpreter (CPU
+  tests) when asked, else None (compile for the GPU)."""
+  if not interpret:
+    return None
+  params = getattr(plgpu, "InterpretParams", None)
+  if params is None:   # jax 0.10 keeps it private
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+  return params()
+
+
+def swizzled(cols: int, dtype) -> tuple:
+  """Shared-memory tiling + swizzle for a tile whose rows hold ``cols``
+  elements: the widest swizzle (up to 128 bytes) that divides a row."""
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
