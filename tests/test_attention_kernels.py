@@ -148,3 +148,15 @@ def test_vit_from_config_takes_attention_impl_hopper():
   config.model.attention_impl = "flash"
   with pytest.raises(ValueError, match="valid: xla, cudnn, hopper"):
     vit.vit_from_config(config.model)
+
+
+def test_attention_kernel_bench_parses_shapes():
+  import argparse
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+  import attention_kernel_bench
+  assert attention_kernel_bench.parse_shape("H/14:192") == (192, 256, 16, 80)
+  assert attention_kernel_bench.parse_shape("L/16") == (128, 196, 16, 64)
+  with pytest.raises(argparse.ArgumentTypeError, match="valid: B/16, L/16, H/14"):
+    attention_kernel_bench.parse_shape("G/14:64")
