@@ -160,3 +160,24 @@ def test_attention_kernel_bench_parses_shapes():
   assert attention_kernel_bench.parse_shape("L/16") == (128, 196, 16, 64)
   with pytest.raises(argparse.ArgumentTypeError, match="valid: B/16, L/16, H/14"):
     attention_kernel_bench.parse_shape("G/14:64")
+
+
+def test_hopper_options_on_other_devices_name_the_fix(monkeypatch):
+  """attention_impl / mlp_impl = 'hopper' on a TPU or a non-Hopper GPU."""
+  from types import SimpleNamespace
+  from darl_jax.kernels import mosaic
+  q = _qkv(jax.random.key(0))[0]
+  tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5p")
+  monkeypatch.setattr(jax, "devices", lambda *a: [tpu])
+  with pytest.raises(ValueError, match="not tpu; use model.attention_impl='xla'"):
+    attention._hopper_attention_fits(q, q, q)
+  blackwell = SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", compute_capability="10.0")
+  monkeypatch.setattr(jax, "devices", lambda *a: [blackwell])
+  with pytest.raises(ValueError,
+                     match="needs a Hopper GPU .* NVIDIA B200; use model.attention_impl='cudnn'"):
+    attention._hopper_attention_fits(q, q, q)
+  with pytest.raises(ValueError, match="model.mlp_impl='hopper' needs a Hopper GPU"):
+    mosaic.require_hopper("model.mlp_impl='hopper'", "model.mlp_impl='xla'", "model.mlp_impl='xla'")
+  hopper = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
+  monkeypatch.setattr(jax, "devices", lambda *a: [hopper])
+  assert attention._hopper_attention_fits(q, q, q)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -23,3 +24,18 @@ def swizzled(cols: int, dtype) -> tuple:
   swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
+
+
+def require_hopper(option: str, tpu_fix: str, gpu_fix: str) -> None:
+  """Errors that name the fix when ``option`` (a Hopper-kernel setting) meets
+  a device the kernels cannot run on. CPU is allowed: there the kernels run
+  in Pallas's GPU interpreter (tests)."""
+  device = jax.devices()[0]
+  if device.platform not in ("gpu", "cpu"):
+    raise ValueError(f"{option} is for NVIDIA Hopper GPUs, not {device.platform}; "
+                     f"use {tpu_fix}")
+  # wgmma is sm_90 only (Blackwell's tensor cores take other instructions).
+  if device.platform == "gpu" and not str(getattr(device, "compute_capability", "9.0")
+                                          ).startswith("9."):
+    raise ValueError(f"{option} needs a Hopper GPU (sm_90), not {device.device_kind}; "
+                     f"use {gpu_fix}")

@@ -38,9 +38,9 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
   kernel on NVIDIA GPUs; it needs bf16/fp16 inputs and, on the cards we tried,
   an even sequence length (see docs). ``hopper`` runs causal attention
   without a mask through our sm_90 kernels (kernels/hopper_attention.py:
-  25-45% less time than cuDNN at the ViT-L/16 and H/14 pretraining shapes) and everything
-  else as ``cudnn`` (as ``xla`` off the GPU, where the kernels run in
-  Pallas's interpreter for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
+  25-45% less time than cuDNN at the ViT-L/16 and H/14 pretraining shapes)
+  and everything else as ``cudnn`` (as ``xla`` off the GPU, where the
+  kernels run in Pallas's interpreter for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
   = attend) is combined with the causal mask when both are given.
   Sequences of at most ``SHORT_KEYS`` keys (the two-token denoising decoder)
   take ``short_attention`` on the xla path.
@@ -61,18 +61,11 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
 def _hopper_attention_fits(q, k, v) -> bool:
   """Whether ``attention_impl='hopper'`` runs its kernels on q, k, v: errors
   that name the fix for a wrong device; False for inputs the kernels do not
-  take (float32, head_dim not a multiple of 64, a batch x tokens that is not a
-  multiple of 64), which go to cuDNN."""
-  from darl_jax.kernels import hopper_attention
-  device = jax.devices()[0]
-  if device.platform not in ("gpu", "cpu"):
-    raise ValueError(f"model.attention_impl='hopper' is for NVIDIA Hopper GPUs, not "
-                     f"{device.platform}; use model.attention_impl='xla'")
-  # wgmma is sm_90 only (Blackwell's tensor cores take other instructions).
-  if device.platform == "gpu" and not str(getattr(device, "compute_capability", "9.0")
-                                          ).startswith("9."):
-    raise ValueError(f"model.attention_impl='hopper' needs a Hopper GPU (sm_90), not "
-                     f"{device.device_kind}; use model.attention_impl='cudnn'")
+  take (float32, a head_dim that is not a multiple of 16, a batch x tokens
+  that is not a multiple of 64), which go to cuDNN."""
+  from darl_jax.kernels import hopper_attention, mosaic
+  mosaic.require_hopper("model.attention_impl='hopper'", tpu_fix="model.attention_impl='xla'",
+                        gpu_fix="model.attention_impl='cudnn'")
   return hopper_attention.fits(q, k, v)
 
 

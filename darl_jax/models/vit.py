@@ -134,19 +134,12 @@ def _hopper_kernels_fit(x, hidden: int, dtype) -> bool:
   the fix for a wrong dtype or device; False for shapes the kernels do not
   tile (parameter init on one example, a last partial batch), which take the
   XLA MLP, the same function."""
-  from darl_jax.kernels import hopper_mlp   # imports Pallas Mosaic GPU only when used
+  from darl_jax.kernels import hopper_mlp, mosaic   # imports Pallas Mosaic GPU only when used
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
                      "or model.mlp_impl='xla'")
-  device = jax.devices()[0]
-  if device.platform not in ("gpu", "cpu"):
-    raise ValueError(f"model.mlp_impl='hopper' is for NVIDIA Hopper GPUs, not "
-                     f"{device.platform}; use model.mlp_impl='xla'")
-  # wgmma is sm_90 only (Blackwell's tensor cores take other instructions).
-  if device.platform == "gpu" and not str(getattr(device, "compute_capability", "9.0")
-                                          ).startswith("9."):
-    raise ValueError(f"model.mlp_impl='hopper' needs a Hopper GPU (sm_90), not "
-                     f"{device.device_kind}; use model.mlp_impl='xla'")
+  mosaic.require_hopper("model.mlp_impl='hopper'", tpu_fix="model.mlp_impl='xla'",
+                        gpu_fix="model.mlp_impl='xla'")
   try:
     for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
       tiling.check(math.prod(x.shape[:-1]), hidden, x.shape[-1])
