@@ -121,15 +121,15 @@ def _max_span(span, tiles: int, seg: int) -> int:
   return max(span(i, seg)[1] for i in range(tiles))
 
 
-def _mask(q0, k0, seg: int, shape, transposed: bool, iota):
+def _mask(q0, k0, seg: int, transposed: bool, iota):
   """Which (query, key) pairs attend: same image and key <= query.
 
   ``q0``/``k0`` are the tiles' first flat rows; ``transposed`` puts keys on
   the rows (the dK/dV kernel works on S^T). A 64-row tile spans at most two
   images (T >= 64), so each query's image starts at one of two places.
   """
-  qr = q0 + iota(shape, 1 if transposed else 0)
-  kr = k0 + iota(shape, 0 if transposed else 1)
+  qr = q0 + iota((BLOCK, BLOCK), 1 if transposed else 0)
+  kr = k0 + iota((BLOCK, BLOCK), 0 if transposed else 1)
   first = q0 // seg * seg
   start = jnp.where(qr >= first + seg, first + seg, first)
   return (kr <= qr) & (kr >= start)
@@ -204,18 +204,65 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
   return list(pl.run_state(body)(inits))
 
 
-def _call(body, *, inputs, out_type, scratch, grid, interpret):
-  def entry(*refs):
-    pl.run_scoped(lambda *s: body(*refs, *s), *scratch)
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=("tile", "head"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=interpret_params(interpret))(*inputs)
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """What a kernel derives from its ``[N, H, D]`` inputs: tile counts, the
+  number of streaming slots, and the shapes of its buffers."""
+  rows: int
+  heads: int
+  d: int
+  slots: int
+  dtype: object
+
+  @classmethod
+  def of(cls, q, seg: int, tiling: AttentionTiling, span):
+    """``span``: _q_span or _kv_span, the tiles a CTA streams."""
+    rows, heads, d = q.shape
+    longest = _max_span(span, rows // BLOCK, seg)
+    return cls(rows, heads, d, min(tiling.slots, longest) if tiling.slots else longest, q.dtype)
+
+  @property
+  def scale(self) -> float:
+    return self.d ** -0.5
+
+  def tile(self, slotted: bool = False):
+    """Shared memory for one ``[64, D]`` tile (one per slot if ``slotted``)."""
+    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, self.d), self.dtype,
+                      transforms=swizzled(self.d, self.dtype))
+
+  def vector(self, slotted: bool = False):
+    """Shared memory for one tile's per-row float32 values."""
+    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK,), jnp.float32)
+
+  def tiles_out(self):
+    return jax.ShapeDtypeStruct((self.rows, self.heads, self.d), self.dtype)
+
+  def vector_out(self):
+    return jax.ShapeDtypeStruct((self.heads, self.rows), jnp.float32)
+
+  def call(self, body, *, inputs, out_type, scratch, interpret: bool):
+    """``body(*input refs, *output refs, *scratch)`` on a (tile, head) grid."""
+    def entry(*refs):
+      pl.run_scoped(lambda *s: body(*refs, *s), *scratch)
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(self.rows // BLOCK, self.heads),
+        grid_names=("tile", "head"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+        interpret=interpret_params(interpret))(*inputs)
 
 
-def _slots(tiling: AttentionTiling, longest: int) -> int:
-  return min(tiling.slots, longest) if tiling.slots else longest
+def _fetcher(first, h, bar, tiles=(), vectors=()):
+  """``fetch(j, slot)``: copy streamed tile ``first + j`` of head ``h`` into
+  ``slot``, for each (gmem, smem) pair of ``tiles`` (``[N, H, D]`` arrays)
+  and ``vectors`` (``[H, N]`` per-row values), all landing on ``bar[slot]``."""
+  def fetch(j, slot):
+    rows = pl.ds((first + j) * BLOCK, BLOCK)
+    for gmem, smem in tiles:
+      plgpu.copy_gmem_to_smem(gmem.at[rows, h], smem.at[slot], bar.at[slot])
+    for gmem, smem in vectors:
+      plgpu.copy_gmem_to_smem(gmem.at[h, rows], smem.at[slot], bar.at[slot])
+  return fetch
 
 
 def _stream(n, slots: int, fetch, step, carry):
@@ -241,12 +288,8 @@ def _stream(n, slots: int, fetch, step, carry):
 
 def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
   """q, k, v ``[N, H, D]`` -> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32)."""
-  n_rows, heads, d = q.shape
-  tiles = n_rows // BLOCK
-  slots = _slots(tiling, _max_span(_q_span, tiles, seg))
-  scale = d ** -0.5
+  g = _Geometry.of(q, seg, tiling, _q_span)
   ops = _Ops(interpret)
-  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, o_ref, lse_ref,
            q_smem, k_smem, v_smem, lse_smem, q_bar, kv_bar):
@@ -254,18 +297,14 @@ def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
     q0 = i * BLOCK
     lo, n = _q_span(i, seg)
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0, BLOCK), h], q_smem, q_bar.at[0])
-
-    def fetch(j, slot):
-      rows = pl.ds((lo + j) * BLOCK, BLOCK)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], kv_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], kv_bar.at[slot])
+    fetch = _fetcher(lo, h, kv_bar, tiles=((k_ref, k_smem), (v_ref, v_smem)))
 
     def step(j, slot, carry):
       acc, m, l = carry
       plgpu.barrier_wait(kv_bar.at[slot])
       s, = _products([_Mm(q_smem, k_smem.at[slot], b_t=True)], ops)
-      s = s * (scale * _LOG2E)
-      keep = _mask(q0, (lo + j) * BLOCK, seg, (BLOCK, BLOCK), False, ops.iota)
+      s = s * (g.scale * _LOG2E)
+      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
       s = jnp.where(keep, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -277,10 +316,10 @@ def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
 
     plgpu.barrier_wait(q_bar.at[0])
     row = plgpu.Layout.WGMMA.reduce(1)
-    carry = (ops.zeros((BLOCK, d)),
+    carry = (ops.zeros((BLOCK, g.d)),
              ops.cast(jnp.full((BLOCK,), _M_INIT, jnp.float32), row),
              ops.cast(jnp.zeros((BLOCK,), jnp.float32), row))
-    acc, m, l = _stream(n, slots, fetch, step, carry)
+    acc, m, l = _stream(n, g.slots, fetch, step, carry)
     out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
     q_smem[...] = out.astype(q_smem.dtype)        # Q is no longer read
     lse_smem[...] = m + jnp.log2(l)
@@ -289,26 +328,17 @@ def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((BLOCK,), jnp.float32),
+  scratch = [g.tile(), g.tile(slotted=True), g.tile(slotted=True), g.vector(),
              plgpu.Barrier(num_barriers=1),
-             plgpu.Barrier(num_arrivals=2, num_barriers=slots)]
-  return _call(body, inputs=(q, k, v),
-               out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                         jax.ShapeDtypeStruct((heads, n_rows), jnp.float32)),
-               scratch=scratch, grid=(tiles, heads), interpret=interpret)
+             plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
+  return g.call(body, inputs=(q, k, v), out_type=(g.tiles_out(), g.vector_out()),
+                scratch=scratch, interpret=interpret)
 
 
 def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool):
   """-> (dQ ``[N, H, D]``, delta = rowsum(dO * O) ``[H, N]`` float32 for ``_dkv``)."""
-  n_rows, heads, d = q.shape
-  tiles = n_rows // BLOCK
-  slots = _slots(tiling, _max_span(_q_span, tiles, seg))
-  scale = d ** -0.5
+  g = _Geometry.of(q, seg, tiling, _q_span)
   ops = _Ops(interpret)
-  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref,
            q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, held_bar, kv_bar):
@@ -320,11 +350,7 @@ def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool)
     plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(o_ref.at[rows, h], o_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lse_smem, held_bar.at[0])
-
-    def fetch(j, slot):
-      kv_rows = pl.ds((lo + j) * BLOCK, BLOCK)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows, h], k_smem.at[slot], kv_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows, h], v_smem.at[slot], kv_bar.at[slot])
+    fetch = _fetcher(lo, h, kv_bar, tiles=((k_ref, k_smem), (v_ref, v_smem)))
 
     plgpu.barrier_wait(held_bar.at[0])
     lse_rows = ops.rows(lse_smem)
@@ -339,42 +365,32 @@ def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool)
       plgpu.barrier_wait(kv_bar.at[slot])
       s, dp = _products([_Mm(q_smem, k_smem.at[slot], b_t=True),
                          _Mm(do_smem, v_smem.at[slot], b_t=True)], ops)
-      p = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
-      keep = _mask(q0, (lo + j) * BLOCK, seg, (BLOCK, BLOCK), False, ops.iota)
+      p = jnp.exp2(s * (g.scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
+      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
       p = jnp.where(keep, p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta_rows, dp.shape, [0]))
       acc, = _products([_Mm(ds.astype(q_smem.dtype), k_smem.at[slot], acc=acc)], ops)
       return acc
 
-    acc = _stream(n, slots, fetch, step, ops.zeros((BLOCK, d)))
-    q_smem[...] = (acc * scale).astype(q_smem.dtype)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
+    q_smem[...] = (acc * g.scale).astype(q_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows, h])
     plgpu.copy_smem_to_gmem(delta_smem, delta_ref.at[h, rows])
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((BLOCK,), jnp.float32),
-             plgpu.SMEM((BLOCK,), jnp.float32),
+  scratch = [g.tile(), g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
+             g.vector(), g.vector(),
              plgpu.Barrier(num_arrivals=4, num_barriers=1),
-             plgpu.Barrier(num_arrivals=2, num_barriers=slots)]
-  return _call(body, inputs=(q, k, v, o, do, lse),
-               out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                         jax.ShapeDtypeStruct((heads, n_rows), jnp.float32)),
-               scratch=scratch, grid=(tiles, heads), interpret=interpret)
+             plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
+  return g.call(body, inputs=(q, k, v, o, do, lse), out_type=(g.tiles_out(), g.vector_out()),
+                scratch=scratch, interpret=interpret)
 
 
 def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: bool):
-  n_rows, heads, d = q.shape
-  tiles = n_rows // BLOCK
-  slots = _slots(tiling, _max_span(_kv_span, tiles, seg))
-  scale = d ** -0.5
+  """-> (dK, dV), both ``[N, H, D]``."""
+  g = _Geometry.of(q, seg, tiling, _kv_span)
   ops = _Ops(interpret)
-  tf = swizzled(d, q.dtype)
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
            k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -385,14 +401,8 @@ def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: 
     rows = pl.ds(k0, BLOCK)
     plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem, held_bar.at[0])
-
-    def fetch(j, slot):
-      q_rows = pl.ds((first + j) * BLOCK, BLOCK)
-      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, h], q_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[q_rows, h], do_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[h, q_rows], lse_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[h, q_rows], delta_smem.at[slot], q_bar.at[slot])
-
+    fetch = _fetcher(first, h, q_bar, tiles=((q_ref, q_smem), (do_ref, do_smem)),
+                     vectors=((lse_ref, lse_smem), (delta_ref, delta_smem)))
     plgpu.barrier_wait(held_bar.at[0])
 
     def step(j, slot, carry):
@@ -400,9 +410,9 @@ def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: 
       plgpu.barrier_wait(q_bar.at[slot])
       st, dpt = _products([_Mm(k_smem, q_smem.at[slot], b_t=True),
                            _Mm(v_smem, do_smem.at[slot], b_t=True)], ops)
-      pt = jnp.exp2(st * (scale * _LOG2E)
+      pt = jnp.exp2(st * (g.scale * _LOG2E)
                     - lax.broadcast_in_dim(ops.cols(lse_smem.at[slot]), st.shape, [1]))
-      keep = _mask((first + j) * BLOCK, k0, seg, (BLOCK, BLOCK), True, ops.iota)
+      keep = _mask((first + j) * BLOCK, k0, seg, True, ops.iota)
       pt = jnp.where(keep, pt, 0.0)
       delta_cols = ops.cols(delta_smem.at[slot])
       dst = pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))
@@ -410,25 +420,21 @@ def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: 
                           _Mm(pt.astype(k_smem.dtype), do_smem.at[slot], acc=dv)], ops)
       return dk, dv
 
-    dk, dv = _stream(n, slots, fetch, step, (ops.zeros((BLOCK, d)), ops.zeros((BLOCK, d))))
-    k_smem[...] = (dk * scale).astype(k_smem.dtype)
+    zeros = ops.zeros((BLOCK, g.d))
+    dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
+    k_smem[...] = (dk * g.scale).astype(k_smem.dtype)
     v_smem[...] = dv.astype(v_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows, h])
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows, h])
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK, d), q.dtype, transforms=tf),
-             plgpu.SMEM((slots, BLOCK), jnp.float32),
-             plgpu.SMEM((slots, BLOCK), jnp.float32),
+  scratch = [g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
+             g.vector(slotted=True), g.vector(slotted=True),
              plgpu.Barrier(num_arrivals=2, num_barriers=1),
-             plgpu.Barrier(num_arrivals=4, num_barriers=slots)]
-  shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  return _call(body, inputs=(q, k, v, do, lse, delta), out_type=(shape, shape),
-               scratch=scratch, grid=(tiles, heads), interpret=interpret)
+             plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
+  return g.call(body, inputs=(q, k, v, do, lse, delta), out_type=(g.tiles_out(), g.tiles_out()),
+                scratch=scratch, interpret=interpret)
 
 
 def _flat(x):
