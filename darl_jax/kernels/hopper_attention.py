@@ -28,8 +28,9 @@ issues its own tile copies and waits on them per slot:
 Splitting dQ from dK/dV recomputes two products per tile pair but needs no
 atomics. Probabilities and score gradients stay in registers as the next
 product's A operand, and independent products are issued together (one
-wait). With 2 slots (the default) a CTA needs under 70 KB of shared memory,
-so several share a multiprocessor and hide each other's latencies.
+wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
+at head dim 64, so several share a multiprocessor and hide each other's
+latencies.
 
 ``causal_attention`` wraps them with a custom gradient. Use:
 ``model.attention_impl='hopper'`` (models/attention.py), which keeps cuDNN for
