@@ -11,6 +11,14 @@ times the forward alone and forward + backward for cuDNN
 kernels at each ``slots`` setting. Times are medians over repeats of
 back-to-back launches; TFLOP/s counts the causal half of the four
 attention products (MaxText's convention), backward = 2 x forward.
+
+A second table times what the model's attention layer runs between its
+qkv projection and its output projection: from the packed projection's
+product ``[B, T, 3, H, D]``, its bias and 2D-RoPE-like tables shared by the
+batch, to the output and the product's gradient. Rows: bias and RoPE in XLA then
+cuDNN; the same then the kernels on separate q, k, v; and
+``causal_attention_qkv`` (the kernels read the packed array and do RoPE's
+backward in their epilogues) with float32 and with bfloat16 RoPE tables.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from darl_jax.kernels import hopper_attention as ha  # noqa: E402
+from darl_jax.models import posenc  # noqa: E402
 from mlp_kernel_bench import rel_err, timed  # noqa: E402
 
 # tokens per image, heads, head_dim
@@ -91,6 +100,60 @@ def main():
     t_fb = timed(fwd_bwd(f), q, k, v, do, iters=args.iters) * 1e3
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} | "
           f"{3 * flops_fwd / (t_fb * 1e-3) / 1e12:.0f} |")
+
+  rope_table(q, k, v, do, args.iters)
+
+
+def rope_table(q, k, v, do, iters: int):
+  """The second table: packed projection + RoPE -> output and its gradient."""
+  b, t, h, d = q.shape
+  qkv = jnp.stack([q, k, v], axis=2)
+  bias = (0.3 * jax.random.normal(jax.random.key(2), (3, h, d))).astype(qkv.dtype)
+  angles = jax.random.uniform(jax.random.key(1), (t, d // 2), maxval=6.0)
+  rope = (jnp.cos(angles), jnp.sin(angles))
+
+  def rotated(impl_fn, dtype=None):
+    def f(qkv):
+      x = qkv + bias       # the projection's bias add (bf16), as the model's plain path
+      x = x if dtype is None else x.astype(dtype)
+      cos, sin = (r[None] for r in rope)
+      q, k, v = (x[:, :, i] for i in range(3))
+      return impl_fn(posenc.apply_rope(q, cos, sin), posenc.apply_rope(k, cos, sin), v)
+    return f
+
+  def fwd_bwd(f):
+    @jax.jit
+    def g(qkv, do):
+      out, vjp = jax.vjp(f, qkv)
+      return (out,) + vjp(do.astype(out.dtype))
+    return g
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+  def xla(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+  ref = fwd_bwd(rotated(xla, jnp.float32))(qkv, do)
+  candidates = {
+      "bias + RoPE in XLA, cuDNN": rotated(cudnn),
+      "bias + RoPE in XLA, kernels on q, k, v": rotated(ha.causal_attention),
+      **{f"causal_attention_qkv (bias, RoPE backward in the kernels), {dt} tables":
+         (lambda x, dt=dt: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(2, dt)))
+         for dt in ("float32", "bfloat16")}}
+  print()
+  print("| from packed qkv, with RoPE | max rel. error (out, dqkv) | fwd ms | fwd+bwd ms |")
+  print("|---|---|---|---|")
+  for name, f in candidates.items():
+    try:
+      got = fwd_bwd(f)(qkv, do)
+    except Exception as e:
+      print(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+      continue
+    errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
+    t_f = timed(jax.jit(f), qkv, iters=iters) * 1e3
+    t_fb = timed(fwd_bwd(f), qkv, do, iters=iters) * 1e3
+    print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A/B of step changes that were measured and not kept, for re-measuring.
+"""A/B of step changes: ones measured and not kept, and earlier forms of kept ones.
 
     python benchmarks/lever_ab.py --case=L/16:mse:256 --variants=base,rope_vjp,base,rope_vjp
 
@@ -20,6 +20,11 @@ session"); a new XLA may change that, which is why they are kept runnable:
   product (a cuBLAS GEMV) instead of a column sum fused into its producer.
 - ``qkv_bias_split``: the q/k/v projection's bias gradient as a reduction of
   its own over the stored cotangent, instead of fused with RoPE's backward.
+- ``rope_in_xla`` (with ``model.attention_impl=hopper``): the kernels'
+  earlier form, RoPE's forward and backward in XLA and the kernels on
+  separate q, k, v, instead of ``causal_attention_qkv`` on the packed
+  projection (RoPE's backward in the kernels' epilogues). A no-op on other
+  attention implementations.
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -254,18 +259,24 @@ class DenseBiasGemv(nn.Module):
     return self.bias_add(y, b.astype(self.dtype))
 
 
-class DenseBiasSplit(DenseBiasGemv):
-  bias_add = staticmethod(bias_add_split)
+class QkvProjectionBiasSplit(attention_lib.QkvProjection):
+  """attention.QkvProjection with the q/k/v bias added here, its gradient a
+  reduction of its own (XLA fuses it with RoPE's backward, at 1.4 TB/s);
+  the bias it hands on is zero, so the caller's add is a no-op."""
+
+  def __call__(self, x):
+    product, bias = super().__call__(x)
+    return bias_add_split(product, bias), jnp.zeros_like(bias)
 
 
-_PLAIN_PROJECT_QKV = attention_lib.project_qkv
+# ------------------------------------------------------------ RoPE outside the kernels
 
 
-def project_qkv_bias_split(x, num_heads: int, dtype, rope=None):
-  """attention.project_qkv with the q/k/v bias gradient as its own reduction
-  (the model's version fuses it with RoPE's backward, at 1.4 TB/s)."""
-  with mock.patch.object(nn, "DenseGeneral", DenseBiasSplit):
-    return _PLAIN_PROJECT_QKV(x, num_heads, dtype, rope)
+def no_shared_tables(rope):
+  """attention._shared_tables that never finds batch-shared tables, so
+  attention_impl='hopper' takes its general path: RoPE in XLA, the kernels
+  on separate q, k, v (v copied out of the projection)."""
+  return None
 
 
 # ------------------------------------------------------------ registry
@@ -276,7 +287,8 @@ VARIANTS = {
     "ln_mlp_recompute": [(vit, "Block", BlockLnMlpRecompute)],
     "rope_vjp": [(posenc, "apply_rope", rope_vjp)],
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
-    "qkv_bias_split": [(attention_lib, "project_qkv", project_qkv_bias_split)],
+    "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
+    "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
 }
 
 

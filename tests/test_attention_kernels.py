@@ -9,7 +9,7 @@ import pytest
 
 from darl_jax import config_lib
 from darl_jax.kernels import hopper_attention as ha
-from darl_jax.models import attention, vit
+from darl_jax.models import attention, posenc, vit
 
 # 4 images of 80 tokens: 320 rows = 5 tiles of 64, three of which straddle
 # two images, and a query tile sees up to 3 key tiles.
@@ -49,6 +49,93 @@ def test_attention_and_its_gradients_match_float32(slots, head_dim):
   np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=2e-2)
   for got, want in zip(vjp(do), ref_vjp(do.astype(jnp.float32))):
     assert _rel(got, want) < 8e-3
+
+
+def _rope_tables(key, t, d):
+  angles = jax.random.uniform(key, (t, d // 2), maxval=6.0)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def _reference_qkv(qkv, bias, rope):
+  """The model's function: the bias added in bf16 (as the projection does),
+  then float32 RoPE and attention."""
+  x = (qkv if bias is None else qkv + bias).astype(jnp.float32)
+  q, k, v = x[:, :, 0], x[:, :, 1], x[:, :, 2]
+  if rope is not None:
+    cos, sin = (t[None] for t in rope)
+    q, k = posenc.apply_rope(q, cos, sin), posenc.apply_rope(k, cos, sin)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("head_dim,with_bias,with_rope,tables",
+                         [(64, True, True, "bfloat16"), (80, True, True, "bfloat16"),
+                          (64, True, True, "float32"), (80, False, True, "float32"),
+                          (64, False, True, "bfloat16"), (64, True, False, "bfloat16"),
+                          (64, False, False, "bfloat16")])
+def test_packed_attention_with_rope_in_the_kernels_matches_float32(head_dim, with_bias,
+                                                                   with_rope, tables):
+  """causal_attention_qkv: q, k, v read from the packed projection (v's bias
+  added to the output, RoPE's backward in the kernels' epilogues), all three
+  gradients written into one [B, T, 3, H, D] array. Against float32 bias +
+  RoPE + attention, per part, and the bias gradient; with either dtype of
+  RoPE tables."""
+  keys = jax.random.split(jax.random.key(5), 4)
+  qkv = jax.random.normal(keys[0], (B, T, 3, H, head_dim)).astype(jnp.bfloat16)
+  do = jax.random.normal(keys[1], (B, T, H, head_dim)).astype(jnp.bfloat16)
+  bias = (0.3 * jax.random.normal(keys[3], (3, H, head_dim))).astype(jnp.bfloat16)
+  bias = bias if with_bias else None
+  rope = _rope_tables(keys[2], T, head_dim) if with_rope else None
+  out, vjp = jax.vjp(
+      lambda x, b: ha.causal_attention_qkv(x, b, rope, ha.AttentionTiling(2, tables), True),
+      qkv, bias)
+  ref, ref_vjp = jax.vjp(lambda x, b: _reference_qkv(x, b, rope), qkv, bias)
+  assert out.shape == (B, T, H, head_dim) and out.dtype == jnp.bfloat16
+  assert _rel(out, ref) < 4e-3
+  (got, got_bias), (want, want_bias) = vjp(do), ref_vjp(do.astype(jnp.float32))
+  assert got.shape == qkv.shape and got.dtype == jnp.bfloat16
+  for part in range(3):
+    assert _rel(got[:, :, part], want[:, :, part]) < 8e-3, part
+  if with_bias:
+    # the column sum of the (bf16) packed gradient, as the projection's own
+    # backward takes it; float32 throughout in the reference
+    assert got_bias.shape == bias.shape
+    np.testing.assert_allclose(got_bias.astype(jnp.float32),
+                               got.astype(jnp.float32).sum((0, 1)), rtol=1e-2, atol=1e-2)
+    assert _rel(got_bias, want_bias) < 2e-2
+
+
+@pytest.mark.parametrize("seg", [64, 80, 196, 256])
+def test_extended_rope_tables_give_every_tile_its_rows_positions(seg):
+  """Tile i of the flat sequence reads entry i % P of the extended tables;
+  row r of that entry must be position (64 i + r) % T, for every tile of a
+  batch longer than a period. bfloat16: cos | sin in one row."""
+  cos = jnp.arange(seg * 2, dtype=jnp.float32).reshape(seg, 2) / (2 * seg)
+  ext_cos, ext_sin = ha.extended_tables(cos, -cos, seg, "float32")
+  combined, = ha.extended_tables(cos, -cos, seg, "bfloat16")
+  period = ext_cos.shape[0]
+  assert ext_cos.shape == (period, ha.BLOCK, 2) and ext_sin.dtype == jnp.float32
+  assert combined.shape == (period, ha.BLOCK, 4) and combined.dtype == jnp.bfloat16
+  for i in range(3 * period):
+    rows = (ha.BLOCK * i + np.arange(ha.BLOCK)) % seg
+    np.testing.assert_array_equal(ext_cos[i % period], cos[rows])
+    np.testing.assert_array_equal(ext_sin[i % period], -cos[rows])
+    np.testing.assert_array_equal(combined[i % period],
+                                  jnp.concatenate([cos[rows], -cos[rows]], -1).astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    ha.extended_tables(cos, cos, seg, "float16")
+
+
+def test_packed_input_the_kernels_cannot_take_names_the_fix():
+  qkv = jnp.zeros((B, T, 3, H, D), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"\[batch, tokens, 3, heads, head_dim\]"):
+    ha.check_qkv(qkv[:, :, 0])
+  per_image = tuple(jnp.zeros((B, T, D // 2)) for _ in range(2))
+  with pytest.raises(ValueError, match="shared by every image.*causal_attention on rotated"):
+    ha.check_qkv(qkv, None, per_image)
+  with pytest.raises(ValueError, match=r"bias must be \[3, heads, head_dim\]"):
+    ha.check_qkv(qkv, jnp.zeros((3 * H * D,)))
+  assert ha.fits_qkv(qkv, jnp.zeros((3, H, D)), tuple(jnp.zeros((T, D // 2)) for _ in range(2)))
+  assert not ha.fits_qkv(qkv[:3])      # 240 rows: not whole tiles
 
 
 def test_each_token_sees_only_earlier_tokens_of_its_own_image():
@@ -116,28 +203,54 @@ def test_attention_kernels_lower_for_hopper_at_model_sizes(model):
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 3
 
+  packed = jax.ShapeDtypeStruct((32, tokens, 3, heads, s.shape[-1]), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((tokens, s.shape[-1] // 2), jnp.float32)
+  bias = jax.ShapeDtypeStruct(packed.shape[2:], jnp.bfloat16)
 
-def test_attention_impl_hopper_is_the_same_attention():
+  def packed_loss(qkv, bias, cos, sin):
+    return jnp.sum(ha.causal_attention_qkv(qkv, bias, (cos, sin)).astype(jnp.float32))
+
+  text = jax.jit(jax.grad(packed_loss, (0, 1))).trace(packed, bias, table, table).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3
+  # dK/dV are written into dQ's kernel output in place, not into a new array
+  assert "output_operand_alias" in text
+
+
+def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
   """model.attention_impl='hopper' in the attention module: same output and
   gradients as the xla path (bf16), and non-causal attention, which the
   kernels do not do, takes the plain path."""
   x = jax.random.normal(jax.random.key(3), (2, 64, 128)).astype(jnp.bfloat16)
 
-  def run(impl, causal=True):
+  shared = tuple(t[None] for t in _rope_tables(jax.random.key(6), 64, 64))
+  per_image = tuple(jnp.broadcast_to(t, (2,) + t.shape[1:]) for t in shared)
+
+  def run(impl, causal=True, rope=None):
     mod = attention.MultiHeadAttention(2, causal=causal, impl=impl, dtype=jnp.bfloat16)
     params = mod.init(jax.random.key(4), x)
+    calls.clear()
 
     def f(p, x):
-      y = mod.apply(p, x).astype(jnp.float32)
+      y = mod.apply(p, x, rope).astype(jnp.float32)
       return jnp.sum(y * jnp.sin(y)), y
     (_, y), g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
     return y, g
 
-  y_x, g_x = run("xla")
-  y_h, g_h = run("hopper")
-  assert _rel(y_h, y_x) < 1e-2
-  for a, b in zip(jax.tree.leaves(g_h), jax.tree.leaves(g_x)):
-    assert _rel(a, b) < 3e-2
+  calls = []      # which kernel entry point the model's forward called
+  for name in ("causal_attention", "causal_attention_qkv"):
+    monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
+                        calls.append(_n) or _f(*a, **kw))
+  # no RoPE and RoPE shared by the batch: the packed path, RoPE's backward in
+  # the kernels; per-image RoPE: rotated in XLA, then the kernels
+  for rope, path in ((None, "causal_attention_qkv"), (shared, "causal_attention_qkv"),
+                     (per_image, "causal_attention")):
+    y_x, g_x = run("xla", rope=rope)
+    y_h, g_h = run("hopper", rope=rope)
+    assert set(calls) == {path}, (calls, path)
+    assert _rel(y_h, y_x) < 1e-2
+    for a, b in zip(jax.tree.leaves(g_h), jax.tree.leaves(g_x)):
+      assert _rel(a, b) < 3e-2
   np.testing.assert_array_equal(run("hopper", causal=False)[0], run("xla", causal=False)[0])
 
 

@@ -32,8 +32,22 @@ wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
 at head dim 64, so several share a multiprocessor and hide each other's
 latencies.
 
-``causal_attention`` wraps them with a custom gradient. Use:
-``model.attention_impl='hopper'`` (models/attention.py), which keeps cuDNN for
+Two entry points wrap them with a custom gradient:
+
+- ``causal_attention_qkv(qkv, bias, rope)``, what the model calls: it takes
+  the packed projection's product ``[B, T, 3, H, D]``, its bias and RoPE's
+  tables. q and k get their bias and rotation in one XLA pass; the kernels
+  read v from the packed product in place and add v's bias to the output;
+  the backward kernels apply the rotation's transpose to dQ and dK in their
+  epilogues and write dQ, dK, dV into one ``[B, T, 3, H, D]`` array (dK/dV
+  into dQ's output, in place), the projection's own gradient layout. This
+  removes a copy of v, a bias pass over the whole product, and XLA's pass
+  that rotated dQ and dK back and concatenated the three gradients (5.4 ms
+  of a 99 ms ViT-L/16 step at batch 128 on an H200, bias gradient included).
+- ``causal_attention(q, k, v)`` on three ``[B, T, H, D]`` arrays, for
+  per-image RoPE tables and other callers.
+
+Use: ``model.attention_impl='hopper'`` (models/attention.py), which keeps cuDNN for
 what these kernels do not cover (non-causal attention, masks, other shapes).
 """
 
@@ -62,13 +76,23 @@ class AttentionTiling:
   """``slots``: shared-memory slots for the streamed tiles; 0 gives each of a
   CTA's streamed tiles its own slot (all copies issued up front). Fewer
   slots use less shared memory (more CTAs per multiprocessor) and refill a
-  slot once its tile is done."""
+  slot once its tile is done.
+
+  ``rope_tables``: the dtype of the RoPE tables the backward kernels apply
+  the rotation's transpose with: ``float32`` (two ``[64, D/2]`` tiles in
+  shared memory) or ``bfloat16`` (one ``[64, D]`` tile, cos | sin: less
+  shared memory, so more CTAs per multiprocessor, for a rounding of the
+  tables about that of the bf16 gradients themselves)."""
   slots: int = 2
+  rope_tables: str = "bfloat16"
 
 
 # slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
 # fwd + bwd 0.377 ms per layer at batch 128, against 0.390 with 3 slots and
-# 0.425 with every tile in its own slot.
+# 0.425 with every tile in its own slot. bfloat16 RoPE tables: the attention
+# layer 2% faster than with float32 ones at ViT-L/16 (batch 128), 8% at
+# ViT-H/14 (batch 192, head dim 80), for a dQKV error of 4.3e-3 instead of
+# 4.2e-3 against float32 (benchmarks/attention_kernel_bench.py, H200).
 DEFAULT_ATTENTION_TILING = AttentionTiling()
 
 
@@ -205,22 +229,43 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
   return list(pl.run_state(body)(inits))
 
 
+def _packed(heads: int):
+  """``at`` for q, k, v as heads 0.., H.., 2H.. of one array."""
+  return (heads, 0, heads, 2 * heads)
+
+
+def _separate(heads: int):
+  """``at`` for q, k, v as three ``[N, H, D]`` arrays."""
+  return (heads, 0, 0, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """What a kernel derives from its ``[N, H, D]`` inputs: tile counts, the
-  number of streaming slots, and the shapes of its buffers."""
+  """What a kernel derives from its inputs: tile counts, the number of
+  streaming slots, where q, k and v are, and the shapes of its buffers.
+
+  The kernels read head h of q, k and v as heads ``at[0] + h``,
+  ``at[1] + h`` and ``at[2] + h`` of their ``[N, *, D]`` arrays: (0, H, 2H)
+  for the packed projection ``[N, 3H, D]`` (or q and k rotated together,
+  ``[N, 2H, D]``), (0, 0, 0) for three ``[N, H, D]`` arrays. Gradients go
+  into one ``[N, 3H, D]`` array, dQ, dK, dV at heads h, H + h, 2H + h."""
   rows: int
   heads: int
   d: int
   slots: int
   dtype: object
+  at: tuple   # head offsets of q, k, v
 
   @classmethod
-  def of(cls, q, seg: int, tiling: AttentionTiling, span):
-    """``span``: _q_span or _kv_span, the tiles a CTA streams."""
-    rows, heads, d = q.shape
+  def of(cls, v, at, seg: int, tiling: AttentionTiling, span):
+    """``v``: the array v is read from; ``at``: (heads, q, k, v offsets),
+    from _packed or _separate; ``span``: _q_span or _kv_span, the tiles a
+    CTA streams."""
+    rows, _, d = v.shape
+    heads, *at = at
     longest = _max_span(span, rows // BLOCK, seg)
-    return cls(rows, heads, d, min(tiling.slots, longest) if tiling.slots else longest, q.dtype)
+    return cls(rows, heads, d, min(tiling.slots, longest) if tiling.slots else longest,
+               v.dtype, tuple(at))
 
   @property
   def scale(self) -> float:
@@ -231,6 +276,25 @@ class _Geometry:
     return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, self.d), self.dtype,
                       transforms=swizzled(self.d, self.dtype))
 
+  def half(self, dtype):
+    """Shared memory for one ``[64, D/2]`` tile (a RoPE table's rows, or
+    half of a gradient tile)."""
+    cols = self.d // 2
+    # Rows narrower than the smallest swizzle (32 bytes: bf16 halves of head
+    # dim 80 are 80 bytes) stay untiled; these tiles are only stored and copied.
+    plain = (cols * jnp.dtype(dtype).itemsize) % 32
+    return plgpu.SMEM((BLOCK, cols), dtype, transforms=() if plain else swizzled(cols, dtype))
+
+  def rope_scratch(self, tables):
+    """The RoPE tables' rows (see extended_tables), and a gradient's two
+    rotated halves."""
+    return ([self.tile() if t.shape[-1] == self.d else self.half(t.dtype) for t in tables]
+            + [self.half(self.dtype), self.half(self.dtype)])
+
+  def bias(self):
+    """Shared memory for one head's float32 ``[D]`` value bias."""
+    return plgpu.SMEM((self.d,), jnp.float32)
+
   def vector(self, slotted: bool = False):
     """Shared memory for one tile's per-row float32 values."""
     return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK,), jnp.float32)
@@ -238,31 +302,36 @@ class _Geometry:
   def tiles_out(self):
     return jax.ShapeDtypeStruct((self.rows, self.heads, self.d), self.dtype)
 
+  def grads_out(self):
+    return jax.ShapeDtypeStruct((self.rows, 3 * self.heads, self.d), self.dtype)
+
   def vector_out(self):
     return jax.ShapeDtypeStruct((self.heads, self.rows), jnp.float32)
 
-  def call(self, body, *, inputs, out_type, scratch, interpret: bool):
-    """``body(*input refs, *output refs, *scratch)`` on a (tile, head) grid."""
+  def call(self, name, body, *, inputs, out_type, scratch, interpret: bool):
+    """``body(*input refs, *output refs, *scratch)`` on a (tile, head) grid.
+    ``pl.kernel`` rather than ``plgpu.kernel``: it takes a ``jax.Ref`` input
+    (written in place, aliased in and out of the call), which _dkv needs."""
     def entry(*refs):
       pl.run_scoped(lambda *s: body(*refs, *s), *scratch)
-    return plgpu.kernel(
-        entry, out_type=out_type, grid=(self.rows // BLOCK, self.heads),
-        grid_names=("tile", "head"),
+    return pl.kernel(
+        entry, out_type=out_type,
+        mesh=plgpu.Mesh(grid=(self.rows // BLOCK, self.heads), grid_names=("tile", "head")),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-        interpret=interpret_params(interpret))(*inputs)
+        interpret=interpret_params(interpret), name=f"attention_{name}")(*inputs)
 
 
-def _fetcher(first, h, bar, tiles=(), vectors=()):
-  """``fetch(j, slot)``: copy streamed tile ``first + j`` of head ``h`` into
-  ``slot``, for each (gmem, smem) pair of ``tiles`` (``[N, H, D]`` arrays)
-  and ``vectors`` (``[H, N]`` per-row values), all landing on ``bar[slot]``."""
+def _fetcher(first, bar, tiles=(), vectors=()):
+  """``fetch(j, slot)``: copy streamed tile ``first + j`` into ``slot``, for
+  each (gmem, head, smem) of ``tiles`` (``[N, *, D]`` arrays) and
+  ``vectors`` (``[H, N]`` per-row values), all landing on ``bar[slot]``."""
   def fetch(j, slot):
     rows = pl.ds((first + j) * BLOCK, BLOCK)
-    for gmem, smem in tiles:
-      plgpu.copy_gmem_to_smem(gmem.at[rows, h], smem.at[slot], bar.at[slot])
-    for gmem, smem in vectors:
-      plgpu.copy_gmem_to_smem(gmem.at[h, rows], smem.at[slot], bar.at[slot])
+    for gmem, head, smem in tiles:
+      plgpu.copy_gmem_to_smem(gmem.at[rows, head], smem.at[slot], bar.at[slot])
+    for gmem, head, smem in vectors:
+      plgpu.copy_gmem_to_smem(gmem.at[head, rows], smem.at[slot], bar.at[slot])
   return fetch
 
 
@@ -287,18 +356,69 @@ def _stream(n, slots: int, fetch, step, carry):
   return lax.fori_loop(0, n, body, carry)
 
 
-def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
-  """q, k, v ``[N, H, D]`` -> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32)."""
-  g = _Geometry.of(q, seg, tiling, _q_span)
-  ops = _Ops(interpret)
+def _fetch_tables(tables, tile, smem, bar):
+  """Copy the RoPE tables' rows for flat tile ``tile`` (see extended_tables)."""
+  period = tables[0].shape[0]
+  for table, table_smem in zip(tables, smem):
+    plgpu.copy_gmem_to_smem(table.at[tile - tile // period * period], table_smem, bar)
 
-  def body(q_ref, k_ref, v_ref, o_ref, lse_ref,
-           q_smem, k_smem, v_smem, lse_smem, q_bar, kv_bar):
+
+def _stage_grad(x, gmem, rows, head, tile_smem, rope, ops: "_Ops"):
+  """Write float32 ``[64, D]`` gradient ``x`` to shared memory as bf16 and
+  return the (smem, gmem) copies that take it to ``gmem[rows, head]``
+  (issue them after ``plgpu.commit_smem``).
+
+  ``rope``: None, or shared-memory tiles (the tables' rows: cos and sin
+  ``[64, D/2]`` float32, or one ``[64, D]`` bf16 cos | sin; then two
+  ``[64, D/2]`` bf16 tiles for the halves) when ``x`` is the gradient of
+  RoPE-rotated rows: then it gets the rotation's transpose first, ``(x1 c +
+  x2 s, x2 c - x1 s)`` for halves x1, x2, which the WGMMA accumulator
+  layout holds in the same threads, and the halves go out as two copies.
+  """
+  if rope is None:
+    tile_smem[...] = x.astype(tile_smem.dtype)
+    return [(tile_smem, gmem.at[rows, head])]
+  *tables, lo_smem, hi_smem = rope
+  half = x.shape[1] // 2
+  if len(tables) == 1:
+    cs = ops.cast(tables[0][...], plgpu.Layout.WGMMA).astype(jnp.float32)
+    c, s = cs[:, :half], cs[:, half:]
+  else:
+    c, s = (ops.cast(t[...], plgpu.Layout.WGMMA) for t in tables)
+  x1, x2 = x[:, :half], x[:, half:]
+  lo_smem[...] = (x1 * c + x2 * s).astype(lo_smem.dtype)
+  hi_smem[...] = (x2 * c - x1 * s).astype(hi_smem.dtype)
+  return [(lo_smem, gmem.at[rows, head, pl.ds(0, half)]),
+          (hi_smem, gmem.at[rows, head, pl.ds(half, half)])]
+
+
+def _copy_out(copies):
+  plgpu.commit_smem()
+  for smem, gmem in copies:
+    plgpu.copy_smem_to_gmem(smem, gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: bool):
+  """-> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32). ``v_bias``: None,
+  or float32 ``[H, D]`` added to every value row (see _v_bias)."""
+  g = _Geometry.of(v, at, seg, tiling, _q_span)
+  ops = _Ops(interpret)
+  biased = v_bias is not None
+
+  def body(*refs):
+    q_ref, k_ref, v_ref, *refs = refs
+    bias_ref, refs = (refs[0], refs[1:]) if biased else (None, refs)
+    o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
+    bias_smem, (q_bar, kv_bar) = (refs[0], refs[1:]) if biased else (None, refs)
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     q0 = i * BLOCK
     lo, n = _q_span(i, seg)
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0, BLOCK), h], q_smem, q_bar.at[0])
-    fetch = _fetcher(lo, h, kv_bar, tiles=((k_ref, k_smem), (v_ref, v_smem)))
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0, BLOCK), g.at[0] + h], q_smem, q_bar.at[0])
+    if biased:
+      plgpu.copy_gmem_to_smem(bias_ref.at[h], bias_smem, q_bar.at[0])
+    fetch = _fetcher(lo, kv_bar, tiles=((k_ref, g.at[1] + h, k_smem),
+                                        (v_ref, g.at[2] + h, v_smem)))
 
     def step(j, slot, carry):
       acc, m, l = carry
@@ -322,42 +442,66 @@ def _forward(q, k, v, seg: int, tiling: AttentionTiling, interpret: bool):
              ops.cast(jnp.zeros((BLOCK,), jnp.float32), row))
     acc, m, l = _stream(n, g.slots, fetch, step, carry)
     out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+    if biased:
+      out = out + lax.broadcast_in_dim(ops.cols(bias_smem), out.shape, [1])
     q_smem[...] = out.astype(q_smem.dtype)        # Q is no longer read
     lse_smem[...] = m + jnp.log2(l)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(q0, BLOCK), h])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])
-    plgpu.wait_smem_to_gmem(0)
+    _copy_out([(q_smem, o_ref.at[pl.ds(q0, BLOCK), h]),
+               (lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])])
 
-  scratch = [g.tile(), g.tile(slotted=True), g.tile(slotted=True), g.vector(),
-             plgpu.Barrier(num_barriers=1),
-             plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
-  return g.call(body, inputs=(q, k, v), out_type=(g.tiles_out(), g.vector_out()),
-                scratch=scratch, interpret=interpret)
+  scratch = [g.tile(), g.tile(slotted=True), g.tile(slotted=True), g.vector()]
+  scratch += [g.bias()] if biased else []
+  scratch += [plgpu.Barrier(num_arrivals=2 if biased else 1, num_barriers=1),
+              plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
+  return g.call("fwd", body, inputs=(q, k, v) + ((v_bias,) if biased else ()),
+                out_type=(g.tiles_out(), g.vector_out()), scratch=scratch,
+                interpret=interpret)
 
 
-def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool):
-  """-> (dQ ``[N, H, D]``, delta = rowsum(dO * O) ``[H, N]`` float32 for ``_dkv``)."""
-  g = _Geometry.of(q, seg, tiling, _q_span)
+def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTiling,
+        interpret: bool):
+  """-> (the gradient array ``[N, 3H, D]`` with dQ in heads 0..H-1 (the rest
+  is _dkv's), delta = rowsum(dO * O) ``[H, N]`` float32 for ``_dkv``).
+  ``tables``: None, or RoPE's extended (cos, sin), whose rotation's
+  transpose dQ gets before it is stored. ``v_bias``: as in _forward; O
+  includes it and the products here use v without it, so delta is taken
+  of O minus the bias."""
+  biased = v_bias is not None
+  g = _Geometry.of(v, at, seg, tiling, _q_span)
   ops = _Ops(interpret)
+  rope = tables is not None
+  nt = len(tables) if rope else 0
 
-  def body(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref,
-           q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, held_bar, kv_bar):
+  def body(*refs):
+    q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *refs = refs
+    table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
+    bias_ref, refs = (refs[0], refs[1:]) if biased else (None, refs)
+    (dqkv_ref, delta_ref, q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+     *refs) = refs
+    rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
+    bias_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if biased else (None, refs)
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     q0 = i * BLOCK
     lo, n = _q_span(i, seg)
     rows = pl.ds(q0, BLOCK)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, g.at[0] + h], q_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(o_ref.at[rows, h], o_smem, held_bar.at[0])
     plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lse_smem, held_bar.at[0])
-    fetch = _fetcher(lo, h, kv_bar, tiles=((k_ref, k_smem), (v_ref, v_smem)))
+    if rope:
+      _fetch_tables(table_refs, i, rope_smem[:nt], held_bar.at[0])
+    if biased:
+      plgpu.copy_gmem_to_smem(bias_ref.at[h], bias_smem, held_bar.at[0])
+    fetch = _fetcher(lo, kv_bar, tiles=((k_ref, g.at[1] + h, k_smem),
+                                        (v_ref, g.at[2] + h, v_smem)))
 
     plgpu.barrier_wait(held_bar.at[0])
     lse_rows = ops.rows(lse_smem)
     # The softmax backward's row term, here rather than in a separate pass
     # over O and dO; _dkv reads it back.
     o_tile = ops.cast(o_smem[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+    if biased:
+      o_tile = o_tile - lax.broadcast_in_dim(ops.cols(bias_smem), o_tile.shape, [1])
     do_tile = ops.cast(do_smem[...], plgpu.Layout.WGMMA).astype(jnp.float32)
     delta_rows = (o_tile * do_tile).sum(axis=1)
     delta_smem[...] = delta_rows
@@ -374,36 +518,46 @@ def _dq(q, k, v, o, do, lse, seg: int, tiling: AttentionTiling, interpret: bool)
       return acc
 
     acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
-    q_smem[...] = (acc * g.scale).astype(q_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows, h])
-    plgpu.copy_smem_to_gmem(delta_smem, delta_ref.at[h, rows])
-    plgpu.wait_smem_to_gmem(0)
+    copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, q_smem,
+                         rope_smem, ops)
+    _copy_out(copies + [(delta_smem, delta_ref.at[h, rows])])
 
   scratch = [g.tile(), g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
-             g.vector(), g.vector(),
-             plgpu.Barrier(num_arrivals=4, num_barriers=1),
-             plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
-  return g.call(body, inputs=(q, k, v, o, do, lse), out_type=(g.tiles_out(), g.vector_out()),
-                scratch=scratch, interpret=interpret)
+             g.vector(), g.vector()]
+  scratch += g.rope_scratch(tables) if rope else []
+  scratch += [g.bias()] if biased else []
+  scratch += [plgpu.Barrier(num_arrivals=4 + nt + biased, num_barriers=1),
+              plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
+  return g.call("dq", body, inputs=(q, k, v, o, do, lse) + (tuple(tables) if rope else ())
+                + ((v_bias,) if biased else ()),
+                out_type=(g.grads_out(), g.vector_out()), scratch=scratch,
+                interpret=interpret)
 
 
-def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: bool):
-  """-> (dK, dV), both ``[N, H, D]``."""
-  g = _Geometry.of(q, seg, tiling, _kv_span)
+def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: AttentionTiling,
+         interpret: bool):
+  """Writes dK (heads H..2H-1, after RoPE's transpose when ``tables`` are
+  given) and dV (2H..3H-1) into ``grads``, a ``jax.Ref`` of _dq's output."""
+  g = _Geometry.of(v, at, seg, tiling, _kv_span)
   ops = _Ops(interpret)
+  rope = tables is not None
+  nt = len(tables) if rope else 0
 
-  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-           k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-           held_bar, q_bar):
+  def body(*refs):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+    table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
+    (dqkv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *refs) = refs
+    rope_smem, (held_bar, q_bar) = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
     c, h = lax.axis_index("tile"), lax.axis_index("head")
     k0 = c * BLOCK
     first, n = _kv_span(c, seg)
     rows = pl.ds(k0, BLOCK)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem, held_bar.at[0])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem, held_bar.at[0])
-    fetch = _fetcher(first, h, q_bar, tiles=((q_ref, q_smem), (do_ref, do_smem)),
-                     vectors=((lse_ref, lse_smem), (delta_ref, delta_smem)))
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, g.at[1] + h], k_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, g.at[2] + h], v_smem, held_bar.at[0])
+    if rope:
+      _fetch_tables(table_refs, c, rope_smem[:nt], held_bar.at[0])
+    fetch = _fetcher(first, q_bar, tiles=((q_ref, g.at[0] + h, q_smem), (do_ref, h, do_smem)),
+                     vectors=((lse_ref, h, lse_smem), (delta_ref, h, delta_smem)))
     plgpu.barrier_wait(held_bar.at[0])
 
     def step(j, slot, carry):
@@ -423,19 +577,88 @@ def _dkv(q, k, v, do, lse, delta, seg: int, tiling: AttentionTiling, interpret: 
 
     zeros = ops.zeros((BLOCK, g.d))
     dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
-    k_smem[...] = (dk * g.scale).astype(k_smem.dtype)
-    v_smem[...] = dv.astype(v_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows, h])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows, h])
-    plgpu.wait_smem_to_gmem(0)
+    copies = _stage_grad(dk * g.scale, dqkv_ref, rows, g.heads + h, k_smem,
+                         rope_smem, ops)
+    copies += _stage_grad(dv, dqkv_ref, rows, 2 * g.heads + h, v_smem, None, ops)
+    _copy_out(copies)
 
   scratch = [g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
-             g.vector(slotted=True), g.vector(slotted=True),
-             plgpu.Barrier(num_arrivals=2, num_barriers=1),
-             plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
-  return g.call(body, inputs=(q, k, v, do, lse, delta), out_type=(g.tiles_out(), g.tiles_out()),
-                scratch=scratch, interpret=interpret)
+             g.vector(slotted=True), g.vector(slotted=True)]
+  if rope:
+    scratch += g.rope_scratch(tables)
+  scratch += [plgpu.Barrier(num_arrivals=2 + nt, num_barriers=1),
+              plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
+  g.call("dkv", body, inputs=(q, k, v, do, lse, delta) + (tuple(tables) if rope else ())
+         + (grads,), out_type=(), scratch=scratch, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(8, 9, 10, 11))
+def _dkv_into(grads, q, k, v, do, lse, delta, tables, at, seg, tiling, interpret):
+  """_dkv writing into _dq's gradient array in place. Under jit because a
+  ``jax.Ref`` in a memory space exists only there; inside the training
+  step's jit this is inlined and the array is updated in place."""
+  ref = jax.new_ref(grads, memory_space=plgpu.GMEM)
+  _dkv(q, k, v, do, lse, delta, ref, tables, at, seg, tiling, interpret)
+  return ref[...]
+
+
+def _backward(q, k, v, v_bias, o, lse, do, tables, at, tiling, interpret):
+  """-> the ``[B, T, 3, H, D]`` gradients of q, k, v from ``do [B, T, H, D]``."""
+  b, t, h, d = do.shape
+  dof = _flat(do).astype(v.dtype)
+  grads, delta = _dq(q, k, v, v_bias, o, dof, lse, tables, at, t, tiling, interpret)
+  grads = _dkv_into(grads, q, k, v, dof, lse, delta, tables, at, t, tiling, interpret)
+  return grads.reshape(b, t, 3, h, d)
+
+
+def extended_tables(cos, sin, seg: int, dtype="float32"):
+  """RoPE's ``[T, D/2]`` tables laid out for the backward kernels: entry j of
+  ``[P, 64, ...]`` holds the positions of flat rows ``64 j .. 64 j + 63``
+  (row r is position r % T), and tile i of the flat sequence uses entry
+  i % P. P = T / gcd(64, T) tiles make one period (49 at T = 196, 4 at
+  T = 256), so the tables stay small whatever the batch. (Copies into tiled
+  shared memory need their dynamic row offsets to be multiples of the
+  tiling, which r % T is not: hence whole tiles on an untiled leading axis.)
+
+  ``dtype`` float32: (cos, sin), each ``[P, 64, D/2]``; bfloat16: one
+  ``[P, 64, D]`` array, cos in the first half of each row, sin in the second.
+  """
+  period = seg // math.gcd(BLOCK, seg)
+  pos = jnp.arange(period * BLOCK) % seg
+  cos, sin = (jnp.asarray(t, jnp.float32)[pos].reshape(period, BLOCK, -1) for t in (cos, sin))
+  if jnp.dtype(dtype) == jnp.float32:
+    return cos, sin
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"rope_tables must be float32 or bfloat16, got {dtype}")
+  return (jnp.concatenate([cos, sin], axis=-1).astype(jnp.bfloat16),)
+
+
+def check_qkv(qkv, bias=None, rope=None) -> None:
+  """Errors that name the fix for a packed ``[B, T, 3, H, D]`` input (and
+  bias, RoPE tables) the kernels do not take."""
+  if qkv.ndim != 5 or qkv.shape[2] != 3:
+    raise ValueError(f"qkv must be [batch, tokens, 3, heads, head_dim], got {qkv.shape}")
+  q = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+  check_shapes(q, q, q)
+  if bias is not None and bias.shape != qkv.shape[2:]:
+    raise ValueError(f"the qkv bias must be [3, heads, head_dim] = {list(qkv.shape[2:])}, "
+                     f"got {bias.shape}")
+  if rope is not None:
+    want = (qkv.shape[1], qkv.shape[4] // 2)
+    for t in rope:
+      if t.shape[-2:] != want or math.prod(t.shape) != math.prod(want):
+        raise ValueError(f"RoPE tables for the Hopper attention kernels must be one "
+                         f"[tokens, head_dim / 2] = {list(want)} table shared by every "
+                         f"image, got {t.shape}; per-image tables take "
+                         f"causal_attention on rotated q, k")
+
+
+def fits_qkv(qkv, bias=None, rope=None) -> bool:
+  try:
+    check_qkv(qkv, bias, rope)
+  except ValueError:
+    return False
+  return True
 
 
 def _flat(x):
@@ -443,34 +666,96 @@ def _flat(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def causal_attention_qkv(qkv, bias=None, rope=None,
+                         tiling: AttentionTiling = DEFAULT_ATTENTION_TILING,
+                         interpret: bool = False):
+  """Causal softmax attention straight from the packed projection: ``qkv
+  [B, T, 3, H, D]`` bf16 (the product, before its bias), ``bias [3, H, D]``
+  (None for none) and RoPE's ``rope = (cos, sin)`` (``[T, D/2]``, the same
+  for every image; None for none) applied to q and k: the same function as
+  ``causal_attention(apply_rope(q + bq), apply_rope(k + bk), v + bv)``.
+
+  Taking the packed array lets the kernels read v in place (no copy of it)
+  and write all three gradients into one ``[B, T, 3, H, D]`` array, the
+  projection's own gradient layout, with RoPE's backward done in the
+  kernels' epilogues: the separate pass that rotated dQ and dK back and
+  concatenated them with dV is gone. q and k get their bias and rotation in
+  one XLA pass (whose output is also the backward's). v's bias is added to
+  the output instead (each softmax row sums to one, so P (V + bv) = P V +
+  bv), so the product never needs a pass of its own to add it. The tables
+  get a zero gradient: they are functions of the positions, not parameters.
+  """
+  return _qkv_fwd(qkv, bias, rope, tiling, interpret)[0]
+
+
+def _query_keys(qkv, bias, rope):
+  """q and k of ``[B, T, 3, H, D]`` with their bias and RoPE, as one
+  ``[B T, 2H, D]`` (one XLA pass); with neither, the packed array itself."""
+  from darl_jax.models import posenc   # the model's rotation, not a copy of it
+  b, t, _, h, d = qkv.shape
+  if bias is None and rope is None:
+    return qkv.reshape(b * t, 3 * h, d)
+  qk = qkv[:, :, :2]
+  if bias is not None:
+    qk = qk + bias[:2].astype(qk.dtype)
+  qk = qk.reshape(b, t, 2 * h, d)
+  if rope is not None:
+    cos, sin = (x.reshape(1, t, d // 2) for x in rope)
+    qk = posenc.apply_rope(qk, cos, sin)
+  return qk.reshape(b * t, 2 * h, d)
+
+
+def _qkv_fwd(qkv, bias, rope, tiling, interpret):
+  check_qkv(qkv, bias, rope)
+  b, t, _, h, d = qkv.shape
+  packed = qkv.reshape(b * t, 3 * h, d)
+  qk = _query_keys(qkv, bias, rope)
+  v_bias = None if bias is None else bias[2].astype(jnp.float32)
+  o, lse = _forward(qk, qk, packed, v_bias, _packed(h), t, tiling, interpret)
+  return o.reshape(b, t, h, d), (qk, packed, v_bias, o, lse, bias, rope)
+
+
+def _qkv_bwd(tiling, interpret, res, do):
+  qk, packed, v_bias, o, lse, bias, rope = res
+  tables = None if rope is None else extended_tables(*rope, do.shape[1], tiling.rope_tables)
+  dqkv = _backward(qk, qk, packed, v_bias, o, lse, do, tables, _packed(do.shape[2]),
+                   tiling, interpret)
+  # every bias row is added to every token: its gradient is the column sum
+  dbias = None if bias is None else jnp.sum(dqkv.astype(jnp.float32), (0, 1)).astype(bias.dtype)
+  return dqkv, dbias, None if rope is None else tuple(jnp.zeros_like(x) for x in rope)
+
+
+causal_attention_qkv.defvjp(_qkv_fwd, _qkv_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def causal_attention(q, k, v, tiling: AttentionTiling = DEFAULT_ATTENTION_TILING,
                      interpret: bool = False):
   """Causal softmax attention of ``[B, T, H, D]`` bf16 q, k, v (scale
   ``D ** -0.5``, float32 softmax): the same function as
-  ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``."""
+  ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``. The model
+  calls ``causal_attention_qkv`` on its projection where it can."""
   return _attention_fwd(q, k, v, tiling, interpret)[0]
 
 
 def _attention_fwd(q, k, v, tiling, interpret):
   check_shapes(q, k, v)
-  seg = q.shape[1]
+  b, t, h, d = q.shape
   qf, kf, vf = _flat(q), _flat(k), _flat(v)
-  o, lse = _forward(qf, kf, vf, seg, tiling, interpret)
+  o, lse = _forward(qf, kf, vf, None, _separate(h), t, tiling, interpret)
   return o.reshape(q.shape), (qf, kf, vf, o, lse)
 
 
 def _attention_bwd(tiling, interpret, res, do):
   qf, kf, vf, o, lse = res
-  shape = do.shape
-  dof = _flat(do).astype(qf.dtype)
-  seg = shape[1]
-  dq, delta = _dq(qf, kf, vf, o, dof, lse, seg, tiling, interpret)
-  dk, dv = _dkv(qf, kf, vf, dof, lse, delta, seg, tiling, interpret)
-  return dq.reshape(shape), dk.reshape(shape), dv.reshape(shape)
+  dqkv = _backward(qf, kf, vf, None, o, lse, do, None, _separate(do.shape[2]), tiling,
+                   interpret)
+  return dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2]
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 __all__: Sequence[str] = ("AttentionTiling", "DEFAULT_ATTENTION_TILING", "BLOCK",
-                          "causal_attention", "check_shapes", "fits")
+                          "causal_attention", "causal_attention_qkv", "check_qkv",
+                          "check_shapes", "extended_tables", "fits", "fits_qkv")

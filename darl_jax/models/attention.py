@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -96,23 +97,84 @@ def short_attention(q, k, v, *, causal: bool, mask: jax.Array | None = None) -> 
   return out.astype(v.dtype)
 
 
-def project_qkv(x, num_heads: int, dtype, rope=None):
-  """The fused q/k/v projection (submodule ``qkv`` of the calling module) and
-  RoPE on q and k. ``x [B, T, D]`` -> three ``[B, T, heads, head_dim]``.
+class QkvProjection(nn.Module):
+  """The fused q/k/v projection, ``x [B, T, D]`` -> the product ``x W``
+  ``[B, T, 3, heads, head_dim]`` and the bias ``[3, heads, head_dim]``, both
+  in ``dtype``, returned apart: the Hopper attention path adds the bias
+  inside its own passes instead of in a pass over the whole product.
 
-  Call from inside a compact method: the Dense is created in the caller's
-  scope, so every attention variant shares the parameter names.
+  Parameters, their names, shapes and initialisation, and ``product + bias``
+  are those of ``nn.DenseGeneral((3, heads, head_dim))`` (tests check both).
   """
-  width = x.shape[-1]
-  if width % num_heads:
-    raise ValueError(f"width {width} is not divisible by {num_heads} heads")
-  qkv = nn.DenseGeneral((3, num_heads, width // num_heads), dtype=dtype,
-                        kernel_init=QKV_INIT, name="qkv")(x)
+  num_heads: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    width = x.shape[-1]
+    if width % self.num_heads:
+      raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
+    features = (3, self.num_heads, width // self.num_heads)
+
+    def kernel_init(key, shape, dtype=jnp.float32):   # fans of the 2D [width, 3 H D] kernel
+      return QKV_INIT(key, (width, math.prod(features)), dtype).reshape(shape)
+
+    kernel = self.param("kernel", kernel_init, (width,) + features, jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, features, jnp.float32)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    product = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return product, bias
+
+
+def qkv_projection(x, num_heads: int, dtype) -> jax.Array:
+  """The fused q/k/v projection with its bias (submodule ``qkv`` of the
+  calling module): ``x [B, T, D]`` -> ``[B, T, 3, heads, head_dim]``.
+
+  Call from inside a compact method: the projection is created in the
+  caller's scope, so every attention variant shares the parameter names.
+  """
+  product, bias = QkvProjection(num_heads, dtype, name="qkv")(x)
+  return product + bias
+
+
+def split_qkv(qkv, rope=None):
+  """``[B, T, 3, H, D]`` -> q, k, v ``[B, T, H, D]``, with RoPE on q and k."""
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
   if rope is not None:
     q = posenc_lib.apply_rope(q, *rope)
     k = posenc_lib.apply_rope(k, *rope)
   return q, k, v
+
+
+def project_qkv(x, num_heads: int, dtype, rope=None):
+  """``qkv_projection`` then ``split_qkv``: three ``[B, T, heads, head_dim]``."""
+  return split_qkv(qkv_projection(x, num_heads, dtype), rope)
+
+
+def _shared_tables(rope):
+  """RoPE tables as one ``[T, D/2]`` pair when every image has the same
+  positions (``[1, T, D/2]``), else None."""
+  if rope is None or rope[0].shape[0] != 1:
+    return None
+  return tuple(t[0] for t in rope)
+
+
+def _hopper_qkv_attention(product, bias, rope):
+  """Causal attention of the packed projection through the Hopper kernels,
+  bias and RoPE's backward inside them (kernels/hopper_attention.py); None
+  where they do not take it (per-image RoPE tables, shapes and dtypes they
+  do not cover), for the caller's general path."""
+  tables = _shared_tables(rope)
+  if rope is not None and tables is None:
+    return None
+  from darl_jax.kernels import hopper_attention, mosaic
+  mosaic.require_hopper("model.attention_impl='hopper'", tpu_fix="model.attention_impl='xla'",
+                        gpu_fix="model.attention_impl='cudnn'")
+  if not hopper_attention.fits_qkv(product, bias, tables):
+    return None
+  return hopper_attention.causal_attention_qkv(
+      product, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING,
+      jax.default_backend() != "gpu")
 
 
 class MultiHeadAttention(nn.Module):
@@ -126,8 +188,13 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
                mask: jax.Array | None = None) -> jax.Array:
     width = x.shape[-1]
-    q, k, v = project_qkv(x, self.num_heads, self.dtype, rope)
-    out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
+    product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(x)
+    out = None
+    if check_attention_impl(self.impl) == "hopper" and self.causal and mask is None:
+      out = _hopper_qkv_attention(product, bias, rope)
+    if out is None:
+      q, k, v = split_qkv(product + bias, rope)
+      out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
                            kernel_init=OUT_INIT, name="out")(out)
 

@@ -108,7 +108,7 @@ class TwoStreamViT(vit_lib.ViT):
     g = jnp.broadcast_to(query.astype(h.dtype), (b, n, self.width))
     g = g + self.additive_positions(query_rows, query_cols, grid_hw, h.dtype)
     qr, qc, qi = self.scaled_positions(query_rows, query_cols, query_index, grid_hw)
-    rope_g = self.rope_tables(qr, qc, qi, b)
+    rope_g = self.rope_tables(qr, qc, qi)
     out = {}
     for i in range(self.depth):
       h, g = TwoStreamBlock(self.num_heads, self.mlp_dim, self.attention_impl,

@@ -256,7 +256,7 @@ class ViT(nn.Module):
       rows_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), rows_f], -1)
       cols_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), cols_f], -1)
       index_f = jnp.concatenate([jnp.zeros(lead), index_f], -1)
-    return x, self.rope_tables(rows_f, cols_f, index_f, x.shape[0])
+    return x, self.rope_tables(rows_f, cols_f, index_f)
 
   def scaled_positions(self, rows, cols, index, grid_hw):
     """float32 positions, interpolated onto the reference grid."""
@@ -277,14 +277,16 @@ class ViT(nn.Module):
               rows, cols, grid_hw).astype(dtype)
     return jnp.zeros((), dtype)
 
-  def rope_tables(self, rows_f, cols_f, index_f, batch: int):
-    """``(cos, sin)`` ``[B, T, head_dim/2]`` for rotary encodings, else None."""
+  def rope_tables(self, rows_f, cols_f, index_f):
+    """``(cos, sin)`` for rotary encodings, else None: ``[1, T, head_dim/2]``
+    when every image has the same positions (the Hopper attention kernels
+    take those), ``[B, T, head_dim/2]`` when positions are per image."""
     if self.posenc not in posenc_lib.ROTARY:
       return None
     angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,
                                     self.rope_max_wavelength, index_f, rows_f, cols_f)
     if angles.ndim == 2:
-      angles = jnp.broadcast_to(angles, (batch,) + angles.shape)
+      angles = angles[None]
     return posenc_lib.rope_cos_sin(angles)
 
   @nn.compact
