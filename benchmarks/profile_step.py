@@ -10,6 +10,12 @@ memory-bound kernels that run far under the card's bandwidth stand out (a
 fusion that slices its operand reads less than it is counted for). Also
 writes the step's compiled HLO (``step.hlo.txt``) and the trace (open with
 ``xprof --logdir=<out>`` or TensorBoard's profile plugin).
+
+Then where the GPU waits: the step time measured as pretrain_benchmark
+does (synchronised after each step), the traced span per step, how much of
+it some kernel runs, and the longest idle stretches by the kernels around
+them. Kernel time short of the step time is time no optimisation of a
+kernel can win back.
 """
 
 import argparse
@@ -26,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import pretrain_benchmark as bench  # noqa: E402
 
@@ -81,22 +88,60 @@ def _group(op: str, source: str) -> str:
   return f"{base} @ {where}" if where else base
 
 
-def gpu_kernel_times(trace_dir: str):
-  """(total microseconds, launches, kernel name) per HLO op from a perfetto trace."""
+def gpu_kernels(trace_dir: str):
+  """The GPU kernel events of the newest perfetto trace under ``trace_dir``:
+  (start us, duration us, HLO op, kernel name), in start order."""
   files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
   if not files:
     raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
   events = json.load(gzip.open(max(files, key=os.path.getmtime)))["traceEvents"]
   pids = {e["pid"]: e["args"]["name"] for e in events
           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  return sorted((e["ts"], e["dur"], (e.get("args") or {}).get("hlo_op") or e["name"], e["name"])
+                for e in events if e.get("ph") == "X" and "GPU" in pids.get(e["pid"], ""))
+
+
+def gpu_kernel_times(trace_dir: str):
+  """(total microseconds, launches, kernel name) per HLO op from a perfetto trace."""
   total, count, names = collections.Counter(), collections.Counter(), {}
-  for e in events:
-    if e.get("ph") == "X" and "GPU" in pids.get(e["pid"], ""):
-      op = (e.get("args") or {}).get("hlo_op") or e["name"]
-      total[op] += e["dur"]
-      count[op] += 1
-      names[op] = e["name"]
+  for _, dur, op, name in gpu_kernels(trace_dir):
+    total[op] += dur
+    count[op] += 1
+    names[op] = name
   return total, count, names
+
+
+def idle_table(kernels, steps: int, sources: dict, top: int = 10) -> str:
+  """Where the GPU waits: the traced span (first kernel start to last kernel
+  end) against the time some kernel runs, and the longest idle stretches
+  between kernels, grouped by the kernels on either side (blocks merged).
+  Idle time inside a step means the host did not enqueue work fast enough
+  (many short kernels, host callbacks, synchronisations)."""
+  if not kernels:
+    return "no GPU kernels in the trace"
+  start = kernels[0][0]
+  end = busy = 0.0
+  cursor = start
+  gaps = collections.defaultdict(lambda: [0.0, 0])
+  previous = None
+  for ts, dur, op, _ in kernels:
+    group = _group(op, sources.get(_key(op), (0, ""))[1])
+    if ts > cursor and previous is not None:
+      g = gaps[(previous, group)]
+      g[0] += ts - cursor
+      g[1] += 1
+    busy += max(0.0, ts + dur - max(ts, cursor))
+    cursor = max(cursor, ts + dur)
+    end = max(end, ts + dur)
+    previous = group
+  span = end - start
+  lines = [f"traced span per step: {span / steps / 1e3:.1f} ms, some kernel running "
+           f"{busy / steps / 1e3:.1f} ms, idle {(span - busy) / steps / 1e3:.1f} ms "
+           f"({(span - busy) / span:.1%})", "",
+           "| idle between (after -> before) | ms/step | gaps/step |", "|---|---|---|"]
+  for (a, b), (us, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+    lines.append(f"| {a[:70]} -> {b[:70]} | {us / steps / 1e3:.3f} | {n / steps:.0f} |")
+  return "\n".join(lines)
 
 
 def kernel_table(trace_dir: str, steps: int, hlo_text: str, top: int = 40) -> str:
@@ -151,15 +196,19 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
     f.write(hlo)
-  for _ in range(3):
-    state, m = compiled(state, x)
-  jax.block_until_ready(m["loss"])
+  # warm-up, then the step time as pretrain_benchmark measures it (synchronised
+  # after each step), to set against the kernel time and the traced span
+  state, times, _ = bench.time_steps(compiled, state, [x], 3, max(5, args.steps))
   jax.profiler.start_trace(args.out, create_perfetto_trace=True)
   for _ in range(args.steps):
     state, m = compiled(state, x)
   jax.block_until_ready(m["loss"])
   jax.profiler.stop_trace()
+  print(f"step time, synchronised each step (command buffers off): "
+        f"{1e3 * float(np.median(times)):.1f} ms")
   print(kernel_table(args.out, args.steps, hlo, args.top))
+  print()
+  print(idle_table(gpu_kernels(args.out), args.steps, fusion_bytes(hlo)))
   print("trace and step.hlo.txt written to", args.out)
 
 

@@ -108,6 +108,35 @@ def test_block_bench_and_profile_step_run():
   assert "no GPU kernels" in out and "step.hlo.txt written" in out
 
 
+def test_profile_step_finds_where_the_gpu_waits(tmp_path):
+  """idle_table on a made-up trace: two steps of three kernels, the GPU idle
+  2 us inside each step and 10 us between them; overlap is counted once."""
+  import gzip
+  import json
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import profile_step
+  kernels = []
+  for step in range(2):
+    t = 100 + step * 30
+    kernels += [(t, 5, "fusion.1", "k"), (t + 4, 6, "gemm.2", "k"),      # overlap 1 us
+                (t + 12, 8, "fusion.3", "k")]                           # 2 us idle before
+  events = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 1, "ts": 0, "dur": 500, "name": "host", "args": {}}]
+  events += [{"ph": "X", "pid": 7, "ts": ts, "dur": dur, "name": name, "args": {"hlo_op": op}}
+             for ts, dur, op, name in kernels]
+  with gzip.open(tmp_path / "x.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  found = profile_step.gpu_kernels(str(tmp_path))
+  assert found == sorted(kernels)                       # the host event is not a kernel
+  table = profile_step.idle_table(found, 2, {})
+  # span 100 .. 150 = 50 us; busy 2 x 18 us; idle 2 x 2 + 10 = 14 us
+  assert "traced span per step: 0.0 ms" in table and "idle 0.0 ms (28.0%)" in table
+  rows = [r for r in table.splitlines() if r.startswith("| ") and "->" in r and "ms/step" not in r]
+  assert rows[0].startswith("| fusion -> fusion | 0.005 | 0 |")     # 10 us between steps
+  assert rows[1].startswith("| gemm -> fusion | 0.002 | 1 |")
+
+
 def test_profile_step_counts_fusion_bytes_from_hlo():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import profile_step
