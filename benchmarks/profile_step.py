@@ -101,14 +101,19 @@ def gpu_kernels(trace_dir: str):
                 for e in events if e.get("ph") == "X" and "GPU" in pids.get(e["pid"], ""))
 
 
-def gpu_kernel_times(trace_dir: str):
-  """(total microseconds, launches, kernel name) per HLO op from a perfetto trace."""
+def _per_op(kernels):
+  """(total microseconds, launches, kernel name) per HLO op of ``kernels``."""
   total, count, names = collections.Counter(), collections.Counter(), {}
-  for _, dur, op, name in gpu_kernels(trace_dir):
+  for _, dur, op, name in kernels:
     total[op] += dur
     count[op] += 1
     names[op] = name
   return total, count, names
+
+
+def gpu_kernel_times(trace_dir: str):
+  """(total microseconds, launches, kernel name) per HLO op from a perfetto trace."""
+  return _per_op(gpu_kernels(trace_dir))
 
 
 def idle_table(kernels, steps: int, sources: dict, top: int = 10) -> str:
@@ -145,10 +150,14 @@ def idle_table(kernels, steps: int, sources: dict, top: int = 10) -> str:
 
 
 def kernel_table(trace_dir: str, steps: int, hlo_text: str, top: int = 40) -> str:
-  total, count, names = gpu_kernel_times(trace_dir)
+  return _kernel_rows(gpu_kernels(trace_dir), steps, fusion_bytes(hlo_text), top)
+
+
+def _kernel_rows(kernels, steps: int, info: dict, top: int) -> str:
+  """kernel_table from loaded kernels and fusion_bytes' ``info``."""
+  total, count, names = _per_op(kernels)
   if not total:
     return "no GPU kernels in the trace (not a GPU run?)"
-  info = fusion_bytes(hlo_text)
   steps_total = sum(total.values())
   groups = collections.defaultdict(lambda: [0.0, 0, 0])   # us, launches, bytes
   kinds = collections.Counter()
@@ -206,9 +215,10 @@ def main():
   jax.profiler.stop_trace()
   print(f"step time, synchronised each step (command buffers off): "
         f"{1e3 * float(np.median(times)):.1f} ms")
-  print(kernel_table(args.out, args.steps, hlo, args.top))
+  kernels, info = gpu_kernels(args.out), fusion_bytes(hlo)    # each read once
+  print(_kernel_rows(kernels, args.steps, info, args.top))
   print()
-  print(idle_table(gpu_kernels(args.out), args.steps, fusion_bytes(hlo)))
+  print(idle_table(kernels, args.steps, info))
   print("trace and step.hlo.txt written to", args.out)
 
 

@@ -401,7 +401,8 @@ def _copy_out(copies):
 
 def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: bool):
   """-> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32). ``v_bias``: None,
-  or float32 ``[H, D]`` added to every value row (see _v_bias)."""
+  or float32 ``[H, D]`` added to the output, which is v's bias added to
+  every value row (see causal_attention_qkv)."""
   g = _Geometry.of(v, at, seg, tiling, _q_span)
   ops = _Ops(interpret)
   biased = v_bias is not None

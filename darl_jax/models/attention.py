@@ -59,14 +59,21 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
       q, k, v, mask=mask, is_causal=causal, implementation=impl)
 
 
+def _require_hopper() -> None:
+  """Errors that name the fix when ``attention_impl='hopper'`` meets a device
+  its kernels cannot run on."""
+  from darl_jax.kernels import mosaic
+  mosaic.require_hopper("model.attention_impl='hopper'", tpu_fix="model.attention_impl='xla'",
+                        gpu_fix="model.attention_impl='cudnn'")
+
+
 def _hopper_attention_fits(q, k, v) -> bool:
   """Whether ``attention_impl='hopper'`` runs its kernels on q, k, v: errors
   that name the fix for a wrong device; False for inputs the kernels do not
   take (float32, a head_dim that is not a multiple of 16, a batch x tokens
   that is not a multiple of 64), which go to cuDNN."""
-  from darl_jax.kernels import hopper_attention, mosaic
-  mosaic.require_hopper("model.attention_impl='hopper'", tpu_fix="model.attention_impl='xla'",
-                        gpu_fix="model.attention_impl='cudnn'")
+  from darl_jax.kernels import hopper_attention
+  _require_hopper()
   return hopper_attention.fits(q, k, v)
 
 
@@ -167,9 +174,8 @@ def _hopper_qkv_attention(product, bias, rope):
   tables = _shared_tables(rope)
   if rope is not None and tables is None:
     return None
-  from darl_jax.kernels import hopper_attention, mosaic
-  mosaic.require_hopper("model.attention_impl='hopper'", tpu_fix="model.attention_impl='xla'",
-                        gpu_fix="model.attention_impl='cudnn'")
+  from darl_jax.kernels import hopper_attention
+  _require_hopper()
   if not hopper_attention.fits_qkv(product, bias, tables):
     return None
   return hopper_attention.causal_attention_qkv(
