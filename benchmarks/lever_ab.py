@@ -26,6 +26,10 @@ session"); a new XLA may change that, which is why they are kept runnable:
   projection (RoPE's backward in the kernels' epilogues). A no-op on other
   attention implementations.
 
+A variant written ``key=value`` is a config override for that row alone
+(``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
+A/B of an option the model has.
+
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
 """
@@ -315,15 +319,19 @@ def main():
   args = parser.parse_args()
   model, objective, batch = args.case.split(":")
   names = args.variants.split(",")
-  bad = [n for n in names if n not in VARIANTS]
+  bad = [n for n in names if n not in VARIANTS and "=" not in n]
   if bad:                                  # fail before compiling anything
     parser.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.case}")
   print("| variant | img/s (p10-p90) | MFU | memory GB | loss |")
   print("|---|---|---|---|---|")
   for name in names:
-    with variant(name):
-      r = bench.run_case(model, objective, int(batch), args)
+    if "=" in name:                         # a config override for this row
+      row = argparse.Namespace(**{**vars(args), "set": args.set + [name]})
+      r = bench.run_case(model, objective, int(batch), row)
+    else:
+      with variant(name):
+        r = bench.run_case(model, objective, int(batch), args)
     print(f"| {name} | {r['img_s']:.0f} ({r['spread']}) | {r['mfu']:.3f} | "
           f"{r['mem_gb']:.1f} | {r['loss']:.4f} |", flush=True)
 

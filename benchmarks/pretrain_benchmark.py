@@ -90,6 +90,19 @@ def time_steps(step_fn, state, batches, warmup, steps):
   return state, np.asarray(times), float(m["loss"])
 
 
+def time_pipelined(step_fn, state, batches, steps):
+  """Seconds per step with ``steps`` steps enqueued back to back and one
+  synchronisation at the end, as a training loop runs them: the host
+  dispatches step i+1 while the GPU runs step i."""
+  state, m = step_fn(state, batches[0])
+  jax.block_until_ready(m["loss"])
+  t0 = time.perf_counter()
+  for i in range(steps):
+    state, m = step_fn(state, batches[i % len(batches)])
+  jax.block_until_ready(m["loss"])
+  return state, (time.perf_counter() - t0) / steps
+
+
 def run_case(variant, objective, batch, args):
   config = build(variant, objective, batch, args.set)
   model, state, step = make_step(config)

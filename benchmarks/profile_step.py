@@ -1,8 +1,10 @@
 """Profiles a few pretraining steps: a kernel table, and a trace for xprof.
 
     python benchmarks/profile_step.py --case=L/16:mse:128 --out=/tmp/trace [--set key=value]
+    python benchmarks/profile_step.py ... --command_buffers   # as the benchmark runs
 
-Prints the GPU kernels of one step (command buffers off, so each shows),
+Prints the GPU kernels of one step (command buffers off unless
+``--command_buffers``, so each kernel is named by its HLO op),
 grouped by kind and source op with the 24 or so blocks merged, longest first:
 time per step, launches, and for XLA fusions the bytes their operands and
 results occupy (from the compiled HLO) with the bandwidth that implies, so
@@ -12,7 +14,9 @@ writes the step's compiled HLO (``step.hlo.txt``) and the trace (open with
 ``xprof --logdir=<out>`` or TensorBoard's profile plugin).
 
 Then where the GPU waits: the step time measured as pretrain_benchmark
-does (synchronised after each step), the traced span per step, how much of
+does (synchronised after each step) and as a training loop runs it (steps
+enqueued back to back, one synchronisation at the end: the host's dispatch
+overlaps the previous step), the traced span per step, how much of
 it some kernel runs, and the longest idle stretches by the kernels around
 them. Kernel time short of the step time is time no optimisation of a
 kernel can win back.
@@ -97,8 +101,16 @@ def gpu_kernels(trace_dir: str):
   events = json.load(gzip.open(max(files, key=os.path.getmtime)))["traceEvents"]
   pids = {e["pid"]: e["args"]["name"] for e in events
           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  return sorted((e["ts"], e["dur"], (e.get("args") or {}).get("hlo_op") or e["name"], e["name"])
-                for e in events if e.get("ph") == "X" and "GPU" in pids.get(e["pid"], ""))
+  found = []
+  for e in events:
+    if e.get("ph") != "X" or "GPU" not in pids.get(e["pid"], ""):
+      continue
+    op = (e.get("args") or {}).get("hlo_op") or e["name"]
+    if op.startswith("command_buffer"):
+      # run from a CUDA graph: the op is the graph's, so name it by its kernel
+      op = "[graph] " + e["name"]
+    found.append((e["ts"], e["dur"], op, e["name"]))
+  return sorted(found)
 
 
 def _per_op(kernels):
@@ -191,8 +203,12 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--command_buffers", action="store_true",
+                      help="keep XLA's command buffers on, as the benchmark runs (kernels "
+                           "inside a graph are then named by kernel, not by HLO op)")
   args = parser.parse_args()
-  show_each_kernel()
+  if not args.command_buffers:
+    show_each_kernel()
   variant, objective, batch = args.case.split(":")
   config = bench.build(variant, objective, int(batch), args.set)
   _, state, step = bench.make_step(config)
@@ -208,13 +224,16 @@ def main():
   # warm-up, then the step time as pretrain_benchmark measures it (synchronised
   # after each step), to set against the kernel time and the traced span
   state, times, _ = bench.time_steps(compiled, state, [x], 3, max(5, args.steps))
+  state, pipelined = bench.time_pipelined(compiled, state, [x], max(10, args.steps))
   jax.profiler.start_trace(args.out, create_perfetto_trace=True)
   for _ in range(args.steps):
     state, m = compiled(state, x)
   jax.block_until_ready(m["loss"])
   jax.profiler.stop_trace()
-  print(f"step time, synchronised each step (command buffers off): "
-        f"{1e3 * float(np.median(times)):.1f} ms")
+  buffers = "on" if args.command_buffers else "off"
+  print(f"step time (command buffers {buffers}): synchronised each step "
+        f"{1e3 * float(np.median(times)):.1f} ms, enqueued back to back "
+        f"{1e3 * pipelined:.1f} ms")
   kernels, info = gpu_kernels(args.out), fusion_bytes(hlo)    # each read once
   print(_kernel_rows(kernels, args.steps, info, args.top))
   print()

@@ -51,6 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
       "causal": True, "attention_impl": "xla", "dtype": "float32",
       # "hopper": the MLP's GELU inside Hopper GEMM kernels (models/vit.py).
       "mlp_impl": "xla",
+      # "triton": LayerNorms as one fused kernel each way (models/vit.py).
+      "norm_impl": "xla",
       "drop_path": 0.0, "scan_layers": False, "remat": "none",
       "ordering": "raster", "ordering_block": 2,
       # XLNet-style query stream (models/two_stream.py); with ordering="random"
@@ -137,7 +139,7 @@ def resolve_total_steps(config, steps_per_epoch: int) -> int:
 # Model keys that may change between a checkpoint and its resumed run:
 # resolution, implementation and memory knobs, not the parameters' shapes.
 RESUMABLE_MODEL_KEYS = ("image_size", "reference_image_size", "attention_impl", "mlp_impl",
-                        "dtype", "remat", "drop_path")
+                        "norm_impl", "dtype", "remat", "drop_path")
 
 
 def _architecture(config) -> dict:

@@ -87,6 +87,30 @@ def test_lever_ab_variants_compute_the_same_loss_and_gradients():
       pass
 
 
+def test_lever_ab_takes_config_overrides_as_variants():
+  """A ``key=value`` variant is an A/B of a model option: its row runs with
+  the override; unknown names still fail before anything compiles."""
+  out = run("lever_ab.py", "--case=mu/16:mse:2", "--variants=base,model.norm_impl=triton",
+            "--steps=1", "--warmup=1")
+  rows = [r.split("|")[1].strip() for r in out.splitlines() if r.startswith("| ") and "img/s" not in r
+          and "---" not in r]
+  assert rows == ["base", "model.norm_impl=triton"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lever_ab.py"),
+                         "--variants=base,nope"], capture_output=True, text=True, env=env)
+  assert done.returncode != 0 and "unknown variants ['nope']" in done.stderr
+
+
+def test_layer_norm_bench_checks_and_times_each_setting():
+  out = run("layer_norm_bench.py", "--shape=mu/16:1", "--blocks=4x2:4x2x3,8x4:2x2x5", "--iters=1")
+  rows = [r for r in out.splitlines() if r.startswith("| ") and "ms" not in r and "---" not in r]
+  assert [r.split("|")[1].strip() for r in rows] == [
+      "XLA (nn.LayerNorm)", "kernels 4x2:4x2x3", "kernels 8x4:2x2x5"]
+  for r in rows:   # the kernels agree with float32 as XLA's LayerNorm does
+    err_y = float(r.split("|")[6])
+    assert err_y < 5e-3, r
+
+
 def test_sampling_benchmark_tiny():
   out = run("sampling_benchmark.py", "--tiny", "--batch_sizes=1,2", "--steps=2",
             "--repeats=1", "--dtype=float32")
@@ -135,6 +159,27 @@ def test_profile_step_finds_where_the_gpu_waits(tmp_path):
   rows = [r for r in table.splitlines() if r.startswith("| ") and "->" in r and "ms/step" not in r]
   assert rows[0].startswith("| fusion -> fusion | 0.005 | 0 |")     # 10 us between steps
   assert rows[1].startswith("| gemm -> fusion | 0.002 | 1 |")
+
+
+def test_profile_step_names_kernels_run_from_a_cuda_graph(tmp_path):
+  """With command buffers on, the trace gives a kernel the graph's op; it is
+  named by its kernel instead, so kernels of one graph do not merge."""
+  import gzip
+  import json
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import profile_step
+  events = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "X", "pid": 7, "ts": 10, "dur": 5, "name": "nvjet_gemm",
+             "args": {"hlo_op": "command_buffer.3"}},
+            {"ph": "X", "pid": 7, "ts": 16, "dur": 2, "name": "loop_add_fusion",
+             "args": {"hlo_op": "command_buffer.3"}},
+            {"ph": "X", "pid": 7, "ts": 20, "dur": 2, "name": "k", "args": {"hlo_op": "fusion.1"}}]
+  with gzip.open(tmp_path / "x.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  ops = [op for _, _, op, _ in profile_step.gpu_kernels(str(tmp_path))]
+  assert ops == ["[graph] nvjet_gemm", "[graph] loop_add_fusion", "fusion.1"]
+  table = profile_step._kernel_rows(profile_step.gpu_kernels(str(tmp_path)), 1, {}, 10)
+  assert "| [graph] nvjet_gemm |" in table and "| [graph] loop_add_fusion |" in table
 
 
 def test_profile_step_counts_fusion_bytes_from_hlo():

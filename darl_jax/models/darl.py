@@ -210,7 +210,8 @@ def darl_from_config(config) -> DARL:
   decoder = decoders_lib.decoder_from_config(
       config.decoder, patch_dim=patch * patch * config.model.get("channels", 3),
       backbone_width=backbone.width, backbone_heads=backbone.num_heads,
-      dtype=backbone.dtype)
+      dtype=backbone.dtype, mlp_impl=config.model.get("mlp_impl", "xla"),
+      norm_impl=config.model.get("norm_impl", "xla"))
   if decoder.kind == "transformer" and loss_cfg.kind == "mse":
     raise ValueError("decoder.kind='transformer' is a denoising decoder; use it with "
                      "loss.kind='diffusion', or decoder.kind='linear' for MSE")

@@ -59,6 +59,10 @@ class PatchDecoder(nn.Module):
   mlp_ratio: int = 4
   gamma_conditioning: bool = False
   dtype: Any = jnp.float32
+  # the backbone's kernel choices (vit.MLP_IMPLS, vit.NORM_IMPLS): the decoder
+  # runs on every patch, so its MLPs and norms are as large as a few blocks'
+  mlp_impl: str = "xla"
+  norm_impl: str = "xla"
 
   @nn.compact
   def __call__(self, z, x_noisy=None, gamma=None):
@@ -76,10 +80,10 @@ class PatchDecoder(nn.Module):
       if noisy is not None:
         h = h + dense(self.width, "noisy_embed")(noisy)
       for i in range(self.depth):
-        y = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name=f"norm_{i}")(h)
+        h, y = vit_lib.pre_norm(self.norm_impl, self.dtype, f"norm_{i}", h)
         h = h + vit_lib.Mlp(self.width * self.mlp_ratio, dtype=self.dtype,
-                            name=f"mlp_{i}")(y)
-      h = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm")(h)
+                            impl=self.mlp_impl, name=f"mlp_{i}")(y)
+      h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", h)
       return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
     # transformer
@@ -93,15 +97,18 @@ class PatchDecoder(nn.Module):
     h = tokens + type_embed.astype(tokens.dtype)
     for i in range(self.depth):
       h = vit_lib.Block(self.num_heads, self.width * self.mlp_ratio, causal=False,
-                        dtype=self.dtype, name=f"block_{i}")(h)
-    h = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm")(h[:, 1])
+                        dtype=self.dtype, mlp_impl=self.mlp_impl, norm_impl=self.norm_impl,
+                        name=f"block_{i}")(h)
+    h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", h[:, 1])
     return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
 
 def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
-                        backbone_heads: int, dtype) -> PatchDecoder:
+                        backbone_heads: int, dtype, mlp_impl: str = "xla",
+                        norm_impl: str = "xla") -> PatchDecoder:
   """``config.decoder``: kind, depth, width (0 = backbone width), num_heads
-  (0 = backbone heads), gamma_conditioning."""
+  (0 = backbone heads), gamma_conditioning. ``mlp_impl``/``norm_impl``: the
+  backbone's (``config.model``)."""
   get = lambda k, d=None: decoder_cfg.get(k, d)
   return PatchDecoder(
       kind=check_decoder(get("kind", "linear")),
@@ -110,4 +117,5 @@ def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
       width=get("width", 0) or backbone_width,
       num_heads=get("num_heads", 0) or backbone_heads,
       gamma_conditioning=get("gamma_conditioning", False),
-      dtype=dtype)
+      dtype=dtype, mlp_impl=vit_lib.check_mlp_impl(mlp_impl),
+      norm_impl=vit_lib.check_norm_impl(norm_impl))

@@ -171,6 +171,60 @@ class Mlp(nn.Module):
     return nn.Dense(width, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc2")(h)
 
 
+# "xla": flax's nn.LayerNorm. "triton": the same function and parameters on
+# darl_jax/kernels/layer_norm.py's Pallas Triton kernels (NVIDIA GPUs), one
+# pass over the tokens each way, with the residual stream's gradient added in
+# the norm's backward (benchmarks/RESULTS.md has the speed-up).
+NORM_IMPLS = ("xla", "triton")
+
+
+def check_norm_impl(name: str) -> str:
+  if name not in NORM_IMPLS:
+    raise ValueError(f"unknown LayerNorm implementation {name!r}; valid: {', '.join(NORM_IMPLS)}")
+  return name
+
+
+class TritonLayerNorm(nn.Module):
+  """nn.LayerNorm (same parameter names, shapes, initialisers, epsilon and
+  float32 statistics) on the fused kernels. ``residual=True`` returns
+  ``(x, LN(x))``: ``x`` handed on unchanged for the residual add, so that its
+  gradient joins the norm's in one backward pass."""
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, residual: bool = False):
+    from darl_jax.kernels import layer_norm   # imports Pallas Triton only when used
+    device = jax.devices()[0]
+    if device.platform not in ("gpu", "cpu"):
+      raise ValueError(f"model.norm_impl='triton' runs on NVIDIA GPUs, not {device.platform}; "
+                       "use model.norm_impl='xla'")
+    width = x.shape[-1]
+    scale = self.param("scale", nn.initializers.ones, (width,), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (width,), jnp.float32)
+    # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
+    interpret = jax.default_backend() != "gpu"
+    fn = layer_norm.residual_layer_norm if residual else layer_norm.layer_norm
+    out = fn(x, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS, interpret)
+    if residual:
+      return out[0], out[1].astype(self.dtype)
+    return out.astype(self.dtype)
+
+
+def pre_norm(impl: str, dtype, name: str, x):
+  """``(x, LN(x))`` for a pre-LN residual branch, by ``impl`` (NORM_IMPLS).
+  Call from a compact method: the norm's parameters go under ``name``."""
+  if check_norm_impl(impl) == "triton":
+    return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True)
+  return x, nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
+
+
+def final_norm(impl: str, dtype, name: str, x):
+  """LN(x) by ``impl``, for a norm whose input is not used again."""
+  if check_norm_impl(impl) == "triton":
+    return TritonLayerNorm(dtype=dtype, name=name)(x)
+  return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
+
+
 class Block(nn.Module):
   """Pre-LayerNorm Transformer block: x + attn(LN(x)); x + mlp(LN(x))."""
   num_heads: int
@@ -180,15 +234,16 @@ class Block(nn.Module):
   drop_path: float = 0.0
   dtype: Any = jnp.float32
   mlp_impl: str = "xla"
+  norm_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
-    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
         dtype=self.dtype, name="attn")(y, rope, mask)
     x = x + DropPath(self.drop_path)(y, deterministic)
-    y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x)
     y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, name="mlp")(y)
     return x + DropPath(self.drop_path)(y, deterministic)
 
@@ -229,12 +284,13 @@ class ViT(nn.Module):
   scan_layers: bool = False
   remat: str = "none"   # none | full | save_dots
   mlp_impl: str = "xla"   # xla | hopper (MLP_IMPLS)
+  norm_impl: str = "xla"   # xla | triton (NORM_IMPLS)
 
   def _block_kwargs(self, i: int) -> dict:
     rate = self.drop_path * i / max(self.depth - 1, 1)  # linearly increasing
     return dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, causal=self.causal,
                 attention_impl=self.attention_impl, drop_path=rate, dtype=self.dtype,
-                mlp_impl=self.mlp_impl)
+                mlp_impl=self.mlp_impl, norm_impl=self.norm_impl)
 
   def embed_tokens(self, patches, rows, cols, index, grid_hw, prepend_sos: bool):
     """Patch embedding, additive positions, SOS and the RoPE tables.
@@ -318,7 +374,7 @@ class ViT(nn.Module):
         x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(
             x, rope, None, not train)
         out[f"block_{i:02d}"] = x
-    out["features"] = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm")(x)
+    out["features"] = final_norm(self.norm_impl, self.dtype, "norm", x)
     return out
 
 
@@ -329,7 +385,7 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
   ``model_cfg`` keys: variant ("L/16"), optional width/depth/num_heads/mlp_dim
   overrides, image_size, reference_image_size (the resolution positions were
   trained at; defaults to image_size), posenc, rope_max_wavelength, causal,
-  attention_impl, dtype, drop_path, scan_layers, remat, mlp_impl.
+  attention_impl, dtype, drop_path, scan_layers, remat, mlp_impl, norm_impl.
   """
   variant, patch = parse_variant(model_cfg.variant)
   get = lambda k, d=None: model_cfg.get(k, d) if hasattr(model_cfg, "get") else getattr(model_cfg, k, d)
@@ -341,6 +397,7 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
                        f"an image_size that is a multiple of {patch}")
   attention_lib.check_attention_impl(get("attention_impl", "xla"))
   check_mlp_impl(get("mlp_impl", "xla"))
+  check_norm_impl(get("norm_impl", "xla"))
   module = ViT(
       width=get("width") or variant.width,
       depth=get("depth") or variant.depth,
@@ -355,7 +412,8 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
       dtype=dtype_from_name(dtype or get("dtype", "float32")),
       scan_layers=get("scan_layers", False),
       remat=get("remat", "none"),
-      mlp_impl=get("mlp_impl", "xla"))
+      mlp_impl=get("mlp_impl", "xla"),
+      norm_impl=get("norm_impl", "xla"))
   return module, patch
 
 

@@ -1,0 +1,111 @@
+"""The fused LayerNorm kernels (darl_jax/kernels/layer_norm.py) against XLA's
+LayerNorm, on one GPU.
+
+    python benchmarks/layer_norm_bench.py --shape=L/16:256 --blocks=8x8:8x8x528,4x4:8x8x1056
+
+For one pre-LN norm at a model's shape (``[batch x tokens, width]`` bf16
+rows, float32 scale and bias) it checks the kernels against a float32
+LayerNorm (relative error; XLA's beside it), then times the forward alone
+and forward + backward, where the backward is the one a pre-LN block runs:
+the norm's output gradient plus the residual stream's gradient reaching
+``x`` around it. Rows: flax's ``nn.LayerNorm`` as XLA compiles it, and
+``residual_layer_norm`` at each ``--blocks`` setting
+(``rows x warps : bwd_rows x bwd_warps x programs``). GB/s counts the bytes
+the computation must move (forward: x in, y out; backward: x, dy and the
+residual gradient in, dx out), so 3000-4000 is the card's copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+from darl_jax.kernels import layer_norm as ln  # noqa: E402
+from darl_jax.models import vit  # noqa: E402
+from mlp_kernel_bench import rel_err, timed  # noqa: E402
+
+def parse_shape(text: str) -> tuple[int, int]:
+  """``L/16:256`` -> (rows, width): batch x (patches + SOS) token rows."""
+  name, batch = text.split(":")
+  variant, patch = vit.parse_variant(name)
+  tokens = (224 // patch) ** 2 + 1
+  return int(batch) * tokens, variant.width
+
+
+def parse_blocks(text: str) -> ln.Blocks:
+  fwd, bwd = text.split(":")
+  rows, warps = (int(v) for v in fwd.split("x"))
+  bwd_rows, bwd_warps, programs = (int(v) for v in bwd.split("x"))
+  return ln.Blocks(rows, warps, bwd_rows, bwd_warps, programs)
+
+
+def reference(x, scale, bias):
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+  return x, (x32 - mean) * jax.lax.rsqrt(var + vit.LN_EPS) * scale + bias
+
+
+def xla_norm(x, scale, bias):
+  y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=x.dtype).apply(
+      {"params": {"scale": scale, "bias": bias}}, x)
+  return x, y
+
+
+def fwd_bwd(norm):
+  """Forward and the pre-LN backward: cotangents for both ``x`` (the
+  residual) and ``y``."""
+  def run(x, scale, bias, dres, dy):
+    out, vjp = jax.vjp(norm, x, scale, bias)
+    return out[1], vjp((dres, dy.astype(out[1].dtype)))
+  return jax.jit(run)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shape", default="L/16:256")
+  parser.add_argument("--blocks", default="8x8:8x8x528,4x4:8x8x1056,16x8:16x8x264,8x4:4x4x1056")
+  parser.add_argument("--iters", type=int, default=20)
+  args = parser.parse_args()
+  rows, width = parse_shape(args.shape)
+  k = jax.random.split(jax.random.PRNGKey(0), 5)
+  x = (jax.random.normal(k[0], (rows, width)) * 2 + 0.5).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(k[1], (width,))
+  bias = 0.1 * jax.random.normal(k[2], (width,))
+  dres = jax.random.normal(k[3], (rows, width)).astype(jnp.bfloat16)
+  dy = jax.random.normal(k[4], (rows, width)).astype(jnp.bfloat16)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.shape}: "
+        f"{rows} rows x {width}")
+  ref_y, ref_g = fwd_bwd(reference)(x, scale, bias, dres, dy)
+  fwd_bytes = 2 * rows * width * 2
+  bwd_bytes = 4 * rows * width * 2
+  print("| computation | fwd ms | GB/s | fwd+bwd ms | bwd GB/s (est.) | err y | err dx, dscale |")
+  print("|---|---|---|---|---|---|---|")
+  candidates = [("XLA (nn.LayerNorm)", xla_norm)]
+  interpret = jax.default_backend() != "gpu"    # CPU: Pallas's interpreter (smoke test)
+  for text in args.blocks.split(","):
+    blocks = parse_blocks(text)
+    candidates.append((f"kernels {text}", lambda x, s, b, blocks=blocks:
+                       ln.residual_layer_norm(x, s, b, vit.LN_EPS, blocks, interpret)))
+  for name, norm in candidates:
+    fwd = jax.jit(lambda x, s, b, norm=norm: norm(x, s, b)[1])
+    both = fwd_bwd(norm)
+    y, g = both(x, scale, bias, dres, dy)
+    t_fwd = timed(fwd, x, scale, bias, iters=args.iters)
+    t_both = timed(both, x, scale, bias, dres, dy, iters=args.iters)
+    t_bwd = max(t_both - t_fwd, 1e-9)
+    print(f"| {name} | {1e3 * t_fwd:.3f} | {fwd_bytes / t_fwd / 1e9:.0f} | "
+          f"{1e3 * t_both:.3f} | {bwd_bytes / t_bwd / 1e9:.0f} | {rel_err(y, ref_y):.1e} | "
+          f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

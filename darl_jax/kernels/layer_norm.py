@@ -1,0 +1,273 @@
+"""Pre-LayerNorm in one pass each way, as Pallas Triton kernels (NVIDIA GPUs).
+
+Profiles of the ViT-L/16 pretraining step (benchmarks/RESULTS.md) put the
+LayerNorms at about a tenth of the step's kernel time: XLA splits each
+forward into a statistics pass and a normalising pass over the token rows,
+and each backward into the row reductions, the column sums of the scale
+and bias gradients, and the add of the residual stream's gradient, each a
+pass over ``[tokens, width]`` arrays. Here each direction is one kernel:
+
+- forward: a block of rows is read once, its mean and variance (two-pass,
+  in float32) taken in registers, and ``y`` written; the float32 mean and
+  reciprocal deviation per row are kept for the backward (8 bytes a row).
+- backward (power-of-two widths; others take the same formula in XLA, which
+  measured faster than this kernel on two chunks): a program walks its share of row blocks, writes
+  ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy *
+  scale``, plus the gradient that reaches ``x`` around the norm (the
+  residual stream's, see below) in the same pass, and keeps the scale and
+  bias gradients' column sums in registers; one small ``[programs, width]``
+  partial sum per program is left for XLA to add up.
+
+``residual_layer_norm(x, scale, bias) -> (x, y)`` hands ``x`` on unchanged
+(no copy) next to ``y = LN(x)``: in a pre-LN block ``x`` goes on into the
+residual add, so its cotangent arrives in this op's backward and is added
+in the kernel instead of in a pass of XLA's own.
+
+Triton blocks are powers of two, so a row is held as power-of-two chunks
+(ViT-H's 1280 as 1024 + 256; ``chunks``). On
+CPU the kernels run in Pallas's interpreter (tests); elsewhere (TPU) the
+plain XLA LayerNorm is the one to use (``model.norm_impl='xla'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Kernel shape: ``rows`` token rows per block (a power of two), Triton
+  ``warps`` per program; the backward runs at most ``programs`` programs,
+  each over every ``programs``-th row block, so its column-sum partials
+  stay small (``programs x width`` float32)."""
+  rows: int = 4
+  warps: int = 2
+  bwd_rows: int = 4
+  bwd_warps: int = 4
+  programs: int = 1056
+
+  def __post_init__(self):
+    for name in ("rows", "bwd_rows"):
+      v = getattr(self, name)
+      if v < 1 or v & (v - 1):
+        raise ValueError(f"Blocks.{name} must be a power of two, got {v}")
+
+
+DEFAULT_BLOCKS = Blocks()
+
+
+def chunks(width: int) -> tuple[tuple[int, int], ...]:
+  """``(start, size)`` column chunks of power-of-two sizes covering a row of
+  ``width`` (its binary digits, largest first: 1280 -> 1024 + 256). Triton
+  blocks are powers of two; chunks rather than one block padded to
+  ``next_pow2(width)`` keep ViT-H's 1280 from holding 2048 lanes in
+  registers."""
+  out, start = [], 0
+  for bit in reversed(range(width.bit_length())):
+    if width >> bit & 1:
+      out.append((start, 1 << bit))
+      start += 1 << bit
+  return tuple(out)
+
+
+def _load(ref, rows, rmask, start, size):
+  cols = start + jnp.arange(size)
+  return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None],
+                       other=0.0).astype(jnp.float32)
+
+
+def _store(ref, rows, rmask, start, value):
+  cols = start + jnp.arange(value.shape[1])
+  pltriton.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype),
+                 mask=rmask[:, None])
+
+
+def _vector(ref, start, size):
+  return ref[pl.dslice(start, size)].astype(jnp.float32)
+
+
+def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, eps, block_rows):
+  n, width = x_ref.shape
+  rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+  rmask = rows < n
+  parts = chunks(width)
+  xs = [_load(x_ref, rows, rmask, start, size) for start, size in parts]
+  mean = sum(jnp.sum(x, axis=1) for x in xs) / width
+  centred = [x - mean[:, None] for x in xs]
+  # two-pass variance (centred values, already in registers): no cancellation
+  rstd = jax.lax.rsqrt(sum(jnp.sum(c * c, axis=1) for c in centred) / width + eps)
+  for (start, size), c in zip(parts, centred):
+    y = c * rstd[:, None] * _vector(scale_ref, start, size)[None, :]
+    _store(y_ref, rows, rmask, start, y + _vector(bias_ref, start, size)[None, :])
+  pltriton.store(mean_ref.at[rows], mean, mask=rmask)
+  pltriton.store(rstd_ref.at[rows], rstd, mask=rmask)
+
+
+def _backward_kernel(*refs, block_rows, programs, has_residual):
+  if has_residual:
+    (x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dres_ref,
+     dx_ref, dscale_ref, dbias_ref) = refs
+  else:
+    x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dbias_ref = refs
+    dres_ref = None
+  n, width = x_ref.shape
+  parts = chunks(width)
+  program = pl.program_id(0)
+  blocks = pl.cdiv(n, block_rows)
+
+  def body(block, sums):
+    rows = block * block_rows + jnp.arange(block_rows)
+    rmask = rows < n
+    mean = pltriton.load(mean_ref.at[rows], mask=rmask, other=0.0)
+    rstd = pltriton.load(rstd_ref.at[rows], mask=rmask, other=0.0)
+    xhat, dy, g = [], [], []
+    for start, size in parts:
+      # rows past the end load as zeros, so they add nothing to the sums
+      xhat.append((_load(x_ref, rows, rmask, start, size) - mean[:, None]) * rstd[:, None])
+      dy.append(_load(dy_ref, rows, rmask, start, size))
+      g.append(dy[-1] * _vector(scale_ref, start, size)[None, :])
+    c1 = sum(jnp.sum(a * b, axis=1) for a, b in zip(g, xhat)) / width
+    c2 = sum(jnp.sum(a, axis=1) for a in g) / width
+    new = []
+    for i, (start, size) in enumerate(parts):
+      dx = (g[i] - xhat[i] * c1[:, None] - c2[:, None]) * rstd[:, None]
+      if dres_ref is not None:
+        dx += _load(dres_ref, rows, rmask, start, size)
+      _store(dx_ref, rows, rmask, start, dx)
+      # column sums over this block's rows, carried as one row per chunk
+      new.append((sums[i][0] + jnp.sum(dy[i] * xhat[i], axis=0),
+                  sums[i][1] + jnp.sum(dy[i], axis=0)))
+    return tuple(new)
+
+  zeros = tuple((jnp.zeros((size,), jnp.float32), jnp.zeros((size,), jnp.float32))
+                for _, size in parts)
+  # blocks program, program + programs, ...: neighbouring programs read
+  # neighbouring rows at the same time
+  count = (blocks - program + programs - 1) // programs
+  sums = jax.lax.fori_loop(0, count, lambda i, s: body(program + i * programs, s), zeros)
+  for (start, size), (dscale, dbias) in zip(parts, sums):
+    dscale_ref[program, pl.dslice(start, size)] = dscale
+    dbias_ref[program, pl.dslice(start, size)] = dbias
+
+
+def _check(x, scale, bias):
+  if x.ndim < 1 or scale.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
+    raise ValueError(f"layer_norm: scale {scale.shape} and bias {bias.shape} must be "
+                     f"[width] for x {x.shape}")
+
+
+def forward(x, scale, bias, *, eps: float, blocks: Blocks = DEFAULT_BLOCKS,
+            interpret: bool = False):
+  """``(LN(x), (mean, rstd))`` over the last axis, the statistics float32 ``[rows]``."""
+  _check(x, scale, bias)
+  width = x.shape[-1]
+  x2 = x.reshape(-1, width)
+  n = x2.shape[0]
+  y, mean, rstd = pl.pallas_call(
+      functools.partial(_forward_kernel, eps=eps, block_rows=blocks.rows),
+      grid=(pl.cdiv(n, blocks.rows),),
+      out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),
+                 jax.ShapeDtypeStruct((n,), jnp.float32),
+                 jax.ShapeDtypeStruct((n,), jnp.float32)),
+      compiler_params=pltriton.CompilerParams(num_warps=blocks.warps),
+      interpret=interpret, name="layer_norm_fwd")(x2, scale, bias)
+  return y.reshape(x.shape), (mean, rstd)
+
+
+def backward(x, scale, mean, rstd, dy, dres=None, *, blocks: Blocks = DEFAULT_BLOCKS,
+             interpret: bool = False):
+  """``(dx [+ dres], dscale, dbias)`` for ``y = LN(x)`` given ``dy``; ``dres``
+  (optional) is the gradient reaching ``x`` by other paths.
+
+  The kernel for power-of-two widths; for others (ViT-B's 768, ViT-H's
+  1280) the same formula in XLA, which measured faster there than the
+  kernel's two chunks (benchmarks/RESULTS.md, "ninth session")."""
+  width = x.shape[-1]
+  if width & (width - 1):
+    return _backward_xla(x, scale, mean, rstd, dy, dres)
+  x2, dy2 = x.reshape(-1, width), dy.reshape(-1, width)
+  n = x2.shape[0]
+  programs = max(1, min(blocks.programs, pl.cdiv(n, blocks.bwd_rows)))
+  args = [x2, scale, mean, rstd, dy2]
+  if dres is not None:
+    args.append(dres.reshape(-1, width))
+  dx, dscale, dbias = pl.pallas_call(
+      functools.partial(_backward_kernel, block_rows=blocks.bwd_rows, programs=programs,
+                        has_residual=dres is not None),
+      grid=(programs,),
+      out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),
+                 jax.ShapeDtypeStruct((programs, width), jnp.float32),
+                 jax.ShapeDtypeStruct((programs, width), jnp.float32)),
+      compiler_params=pltriton.CompilerParams(num_warps=blocks.bwd_warps),
+      interpret=interpret, name="layer_norm_bwd")(*args)
+  return (dx.reshape(x.shape), jnp.sum(dscale, axis=0).astype(scale.dtype),
+          jnp.sum(dbias, axis=0).astype(scale.dtype))
+
+
+def _backward_xla(x, scale, mean, rstd, dy, dres):
+  """``backward``'s formula as XLA fuses it (one pass for dx, column sums)."""
+  width = x.shape[-1]
+  stats = lambda v: v.reshape(x.shape[:-1] + (1,))
+  xhat = (x.astype(jnp.float32) - stats(mean)) * stats(rstd)
+  dy32 = dy.astype(jnp.float32)
+  g = dy32 * scale
+  c1 = jnp.sum(g * xhat, axis=-1, keepdims=True) / width
+  c2 = jnp.sum(g, axis=-1, keepdims=True) / width
+  dx = (g - xhat * c1 - c2) * stats(rstd)
+  if dres is not None:
+    dx = dx + dres.astype(jnp.float32)
+  axes = tuple(range(x.ndim - 1))
+  return (dx.astype(x.dtype), jnp.sum(dy32 * xhat, axis=axes).astype(scale.dtype),
+          jnp.sum(dy32, axis=axes).astype(scale.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def residual_layer_norm(x, scale, bias, eps: float = 1e-6,
+                        blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
+  """``(x, LN(x) * scale + bias)``: ``x`` unchanged, for the residual stream
+  (its cotangent is added in the backward kernel), and the normalised rows
+  in ``x``'s dtype (statistics and arithmetic in float32)."""
+  return x, forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)[0]
+
+
+def _fwd(x, scale, bias, eps, blocks, interpret):
+  y, (mean, rstd) = forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
+  return (x, y), (x, scale, mean, rstd)
+
+
+def _bwd(eps, blocks, interpret, saved, cotangents):
+  del eps
+  x, scale, mean, rstd = saved
+  dres, dy = cotangents
+  return backward(x, scale, mean, rstd, dy, dres, blocks=blocks, interpret=interpret)
+
+
+residual_layer_norm.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm(x, scale, bias, eps: float = 1e-6, blocks: Blocks = DEFAULT_BLOCKS,
+               interpret: bool = False):
+  """``LN(x) * scale + bias`` alone, for a norm whose input goes nowhere else
+  (its own gradient, so the backward reads no zeros for a residual)."""
+  return forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)[0]
+
+
+def _plain_fwd(x, scale, bias, eps, blocks, interpret):
+  y, (mean, rstd) = forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
+  return y, (x, scale, mean, rstd)
+
+
+def _plain_bwd(eps, blocks, interpret, saved, dy):
+  del eps
+  x, scale, mean, rstd = saved
+  return backward(x, scale, mean, rstd, dy, blocks=blocks, interpret=interpret)
+
+
+layer_norm.defvjp(_plain_fwd, _plain_bwd)
