@@ -115,3 +115,12 @@ def test_raster_two_stream_trains_like_the_plain_model():
       two_stream_config(**{"model.ordering": "raster"})), x)
   assert end_t < 0.3 * start_t
   assert end_t < 2.0 * end_p, (end_t, end_p)
+
+
+@pytest.mark.parametrize("option,value", [("mlp_impl", "hopper"), ("norm_impl", "triton")])
+def test_two_stream_names_the_kernel_options_it_does_not_run(option, value):
+  config = tiny_config()
+  config.model.two_stream = True
+  config.model[option] = value
+  with pytest.raises(ValueError, match=f"set model.{option}='xla'"):
+    darl_lib.darl_from_config(config)

@@ -122,6 +122,13 @@ class TwoStreamViT(vit_lib.ViT):
 
 
 def two_stream_from_vit(backbone: vit_lib.ViT) -> TwoStreamViT:
+  # The two streams share their MLP and norms row by row; the kernels'
+  # versions of those are not wired for two streams, so say so rather than
+  # run XLA's silently.
+  for option, value in (("mlp_impl", backbone.mlp_impl), ("norm_impl", backbone.norm_impl)):
+    if value != "xla":
+      raise ValueError(f"model.two_stream runs XLA's MLP and LayerNorm, not "
+                       f"model.{option}={value!r}; set model.{option}='xla'")
   fields = {f: getattr(backbone, f) for f in (
       "width", "depth", "num_heads", "mlp_dim", "posenc", "reference_grid",
       "rope_max_wavelength", "causal", "attention_impl", "drop_path", "dtype",
