@@ -28,7 +28,7 @@ Triton blocks are powers of two, so a row is held as power-of-two chunks
 Pallas's interpreter (tests); on TPUs use XLA's (``model.norm_impl='xla'``).
 
 Use: ``model.norm_impl='triton'`` (models/vit.py). Measured on an H200
-(benchmarks/RESULTS.md, "ninth session"): the forward 35% faster than
+(benchmarks/RESULTS.md, "ninth session"): the forward 28-35% faster than
 XLA's at ViT-B/L/H widths, forward + backward 20% at ViT-L's 1024, the
 ViT-L/16 training step 1.1% faster.
 """
