@@ -134,6 +134,24 @@ def test_mlp_kernels_lower_for_hopper_at_model_sizes(model):
   assert text.count("mosaic_gpu") >= 2     # the forward and the backward kernel
 
 
+def vit_inputs(batch: int, side: int):
+  """ViT call arguments for ``batch`` images of a ``side x side`` patch grid
+  (12-dim patches, raster order, the last patch dropped for the SOS token)."""
+  n = side * side - 1
+  rows, cols = jnp.divmod(jnp.arange(side * side), side)
+  return (jax.random.normal(jax.random.key(0), (batch, n, 12)), rows[None, :n], cols[None, :n],
+          jnp.arange(1, n + 1)[None], (side, side))
+
+
+def perturbed(params, scale: float = 0.1):
+  """``params`` plus Gaussian noise: biases and norms away from 0 and 1, so
+  an implementation that loses one shows."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  return jax.tree.unflatten(tree, [p + scale * jax.random.normal(k, p.shape)
+                                   for p, k in zip(leaves, keys)])
+
+
 def _tiny_vit(mlp_impl, dtype=jnp.bfloat16):
   # 2 images x 64 tokens (SOS + 63 patches) = 128 rows; MLP 64 -> 256 -> 64.
   return vit.ViT(64, 2, 2, 256, reference_grid=(8, 8), dtype=dtype, mlp_impl=mlp_impl)
@@ -142,16 +160,11 @@ def _tiny_vit(mlp_impl, dtype=jnp.bfloat16):
 def test_vit_with_hopper_mlp_matches_the_xla_mlp():
   """model.mlp_impl='hopper' is the same model: same parameter tree, and the
   features and parameter gradients agree to bf16 rounding."""
-  rows, cols = jnp.divmod(jnp.arange(64), 8)
-  args = (jax.random.normal(jax.random.key(0), (2, 63, 12)), rows[None, :63], cols[None, :63],
-          jnp.arange(1, 64)[None], (8, 8))
+  args = vit_inputs(2, 8)
   params = _tiny_vit("xla").init(jax.random.key(1), *args)["params"]
   assert (jax.tree.structure(_tiny_vit("hopper").init(jax.random.key(1), *args)["params"])
           == jax.tree.structure(params))
-  leaves, tree = jax.tree.flatten(params)   # non-zero biases, so a lost bias shows
-  keys = jax.random.split(jax.random.key(2), len(leaves))
-  params = jax.tree.unflatten(tree, [p + 0.1 * jax.random.normal(k, p.shape)
-                                     for p, k in zip(leaves, keys)])
+  params = perturbed(params)   # non-zero biases, so a lost bias shows
 
   def loss(impl):
     def f(p):

@@ -12,6 +12,7 @@ from darl_jax import config_lib
 from darl_jax.kernels import layer_norm as ln
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import vit
+from test_kernels import perturbed, vit_inputs
 
 # 37 rows in blocks of 4 = 10 blocks over 3 backward programs: a partial last
 # block, and programs that walk different numbers of blocks.
@@ -104,16 +105,11 @@ def _tiny_vit(norm_impl, dtype=jnp.float32):
 def test_vit_with_triton_norms_is_the_same_model():
   """Same parameter tree, same features and block outputs, and parameter
   gradients equal to float32 rounding under a random readout."""
-  rows, cols = jnp.divmod(jnp.arange(16), 4)
-  args = (jax.random.normal(jax.random.key(0), (3, 15, 12)), rows[None, :15], cols[None, :15],
-          jnp.arange(1, 16)[None], (4, 4))
+  args = vit_inputs(3, 4)
   params = _tiny_vit("xla").init(jax.random.key(1), *args)["params"]
   assert (jax.tree.structure(_tiny_vit("triton").init(jax.random.key(1), *args)["params"])
           == jax.tree.structure(params))
-  leaves, tree = jax.tree.flatten(params)   # scales and biases away from 1 and 0
-  keys = jax.random.split(jax.random.key(2), len(leaves))
-  params = jax.tree.unflatten(tree, [p + 0.1 * jax.random.normal(k, p.shape)
-                                     for p, k in zip(leaves, keys)])
+  params = perturbed(params)   # scales and biases away from 1 and 0
   readout = jax.random.normal(jax.random.key(3), (3, 16, 64))
 
   def loss(impl):

@@ -232,6 +232,28 @@ def _backward_xla(x, scale, mean, rstd, dy, dres):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm(x, scale, bias, eps: float = 1e-6, blocks: Blocks = DEFAULT_BLOCKS,
+               interpret: bool = False):
+  """``LN(x) * scale + bias`` alone, for a norm whose input goes nowhere else
+  (its own gradient, so the backward reads no zeros for a residual)."""
+  return forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)[0]
+
+
+def _norm_fwd(x, scale, bias, eps, blocks, interpret):
+  y, (mean, rstd) = forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
+  return y, (x, scale, mean, rstd)
+
+
+def _norm_bwd(eps, blocks, interpret, saved, dy, dres=None):
+  del eps
+  x, scale, mean, rstd = saved
+  return backward(x, scale, mean, rstd, dy, dres, blocks=blocks, interpret=interpret)
+
+
+layer_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def residual_layer_norm(x, scale, bias, eps: float = 1e-6,
                         blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
   """``(x, LN(x) * scale + bias)``: ``x`` unchanged, for the residual stream
@@ -240,38 +262,14 @@ def residual_layer_norm(x, scale, bias, eps: float = 1e-6,
   return x, forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)[0]
 
 
-def _fwd(x, scale, bias, eps, blocks, interpret):
-  y, (mean, rstd) = forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
-  return (x, y), (x, scale, mean, rstd)
+def _residual_fwd(x, scale, bias, eps, blocks, interpret):
+  y, saved = _norm_fwd(x, scale, bias, eps, blocks, interpret)
+  return (x, y), saved
 
 
-def _bwd(eps, blocks, interpret, saved, cotangents):
-  del eps
-  x, scale, mean, rstd = saved
+def _residual_bwd(eps, blocks, interpret, saved, cotangents):
   dres, dy = cotangents
-  return backward(x, scale, mean, rstd, dy, dres, blocks=blocks, interpret=interpret)
+  return _norm_bwd(eps, blocks, interpret, saved, dy, dres)
 
 
-residual_layer_norm.defvjp(_fwd, _bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def layer_norm(x, scale, bias, eps: float = 1e-6, blocks: Blocks = DEFAULT_BLOCKS,
-               interpret: bool = False):
-  """``LN(x) * scale + bias`` alone, for a norm whose input goes nowhere else
-  (its own gradient, so the backward reads no zeros for a residual)."""
-  return forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)[0]
-
-
-def _plain_fwd(x, scale, bias, eps, blocks, interpret):
-  y, (mean, rstd) = forward(x, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
-  return y, (x, scale, mean, rstd)
-
-
-def _plain_bwd(eps, blocks, interpret, saved, dy):
-  del eps
-  x, scale, mean, rstd = saved
-  return backward(x, scale, mean, rstd, dy, blocks=blocks, interpret=interpret)
-
-
-layer_norm.defvjp(_plain_fwd, _plain_bwd)
+residual_layer_norm.defvjp(_residual_fwd, _residual_bwd)

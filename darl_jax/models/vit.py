@@ -210,19 +210,20 @@ class TritonLayerNorm(nn.Module):
     return out.astype(self.dtype)
 
 
-def pre_norm(impl: str, dtype, name: str, x):
-  """``(x, LN(x))`` for a pre-LN residual branch, by ``impl`` (NORM_IMPLS).
-  Call from a compact method: the norm's parameters go under ``name``."""
-  if check_norm_impl(impl) == "triton":
-    return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True)
-  return x, nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
-
-
 def final_norm(impl: str, dtype, name: str, x):
-  """LN(x) by ``impl``, for a norm whose input is not used again."""
+  """LN(x) by ``impl`` (NORM_IMPLS), for a norm whose input is not used
+  again. Call from a compact method: the norm's parameters go under ``name``."""
   if check_norm_impl(impl) == "triton":
     return TritonLayerNorm(dtype=dtype, name=name)(x)
   return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
+
+
+def pre_norm(impl: str, dtype, name: str, x):
+  """``(x, LN(x))`` for a pre-LN residual branch, by ``impl``: the triton
+  norm adds the residual's gradient in its own backward."""
+  if check_norm_impl(impl) == "triton":
+    return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True)
+  return x, final_norm(impl, dtype, name, x)
 
 
 class Block(nn.Module):
