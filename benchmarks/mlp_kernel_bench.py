@@ -8,7 +8,9 @@ bf16), then times:
 - cuBLAS ``x @ w1`` alone (the floor for the fused forward);
 - the forward as the model runs it under XLA (cuBLAS + bias, then the GELU
   kernel) and as ``dense_gelu``, for each tiling;
-- the backward through fc2 and GELU under XLA and as ``matmul_dgelu``;
+- the backward through fc2 and GELU under XLA and as ``matmul_scaled``;
+- the kernels' earlier form, which kept ``h`` (not ``gelu'(h)``) for the
+  backward and evaluated the derivative in the backward's epilogue;
 - the whole MLP, forward and backward (weight gradients and bias sums
   included), as models.vit.Mlp and as hopper_mlp.mlp.
 Times are medians over repeats of back-to-back launches.
@@ -37,11 +39,12 @@ SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 128
 
 
 def parse_tiling(text: str) -> hopper_mlp.Tiling:
-  """``128x128x64x2``: tile_m x tile_n x tile_k x stages (per compute warpgroup)."""
+  """``128x128x64x2``: tile_m x tile_n x tile_k x stages (per compute
+  warpgroup), optionally x epi (the epilogue's sub-tile, default 64)."""
   parts = [int(p) for p in text.split("x")]
-  if len(parts) != 4:
-    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES")
-  names = ("tile_m", "tile_n", "tile_k", "stages")
+  if len(parts) not in (4, 5):
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI]")
+  names = ("tile_m", "tile_n", "tile_k", "stages", "epi")
   return hopper_mlp.Tiling(**dict(zip(names, parts)))
 
 
@@ -60,6 +63,17 @@ def timed(f, *args, iters=10, reps=7):
 def rel_err(a, b):
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _h_and_gelu(acc, bias, _):
+  """The forward epilogue's earlier form: (h, gelu(h))."""
+  h = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
+  return h, hopper_mlp.kernel_gelu(h.astype(jnp.float32))
+
+
+def _times_gelu_grad(acc, _, h):
+  """The backward epilogue's earlier form: the derivative evaluated from h."""
+  return (acc * hopper_mlp.kernel_gelu_grad(h),)
 
 
 def epilogue_study(x, w, b, h, tiling):
@@ -142,27 +156,36 @@ def main():
     return vit._gelu_exact_bwd(h, jnp.dot(dy, wt))[0]
 
   h_ref, g_ref = xla_fwd(x, w1b, b1)
+  dg_ref = jax.jit(lambda h: vit._gelu_exact_bwd(h, jnp.ones_like(h))[0])(h_ref)
   dh_ref = xla_bwd(dy, w2tb, h_ref)
   fgemm = 2 * m * d * f
   rows = [("cuBLAS x @ w1", timed(jax.jit(jnp.dot), x, w1b), "")]   # (name, seconds, note[, GEMMs])
+
+  def kernel_row(name, fn, args, check):
+    try:
+      out = fn(*args)
+      rows.append((name, timed(fn, *args), check(out)))
+    except Exception as e:  # noqa: BLE001  (a tiling that does not fit is reported)
+      rows.append((name, float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+
   rows.append(("XLA fc1 + bias + GELU (h, g)", timed(xla_fwd, x, w1b, b1), ""))
   for t in tilings:
-    fn = jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t))
-    try:
-      h, g = fn(x, w1b, b1)
-      err = f"h {rel_err(h, h_ref):.1e}, g {rel_err(g, g_ref):.1e}"
-      rows.append((f"dense_gelu {t}", timed(fn, x, w1b, b1), err))
-    except Exception as e:  # noqa: BLE001  (a tiling that does not fit is reported)
-      rows.append((f"dense_gelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+    kernel_row(f"dense_gelu -> (g, gelu'(h)) {t}",
+               jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t)),
+               (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
+  kernel_row(f"earlier form -> (h, g) {tilings[0]}",
+             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_h_and_gelu,
+                                                      num_out=2, tiling=tilings[0])),
+             (x, w1b, b1), lambda o: f"h {rel_err(o[0], h_ref):.1e}, g {rel_err(o[1], g_ref):.1e}")
   rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
   for t in tilings:
-    fn = jax.jit(lambda dy, wt, h, t=t: hopper_mlp.matmul_dgelu(dy, wt, h, tiling=t))
-    try:
-      dh = fn(dy, w2tb, h_ref)
-      rows.append((f"matmul_dgelu {t}", timed(fn, dy, w2tb, h_ref),
-                   f"dh {rel_err(dh, dh_ref):.1e}"))
-    except Exception as e:  # noqa: BLE001
-      rows.append((f"matmul_dgelu {t}", float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
+    kernel_row(f"matmul_scaled by gelu'(h) {t}",
+               jax.jit(lambda dy, wt, s, t=t: hopper_mlp.matmul_scaled(dy, wt, s, tiling=t)),
+               (dy, w2tb, dg_ref.astype(bf)), lambda o: f"dh {rel_err(o, dh_ref):.1e}")
+  kernel_row(f"earlier form: dgelu from h {tilings[0]}",
+             jax.jit(lambda dy, wt, h: hopper_mlp._gemm(dy, wt, aux=h, epilogue=_times_gelu_grad,
+                                                        num_out=1, tiling=tilings[0])[0]),
+             (dy, w2tb, h_ref), lambda o: f"dh {rel_err(o, dh_ref):.1e}")
 
   if args.study:
     rows += epilogue_study(x, w1b, b1, h_ref, tilings[0])
