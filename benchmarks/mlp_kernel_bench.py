@@ -9,6 +9,8 @@ bf16), then times:
 - the forward as the model runs it under XLA (cuBLAS + bias, then the GELU
   kernel) and as ``dense_gelu``, for each tiling;
 - the backward through fc2 and GELU under XLA and as ``matmul_scaled``;
+- the backward with fc1's bias gradient summed by XLA after it and inside
+  the kernel (``col_sums``);
 - the kernels' earlier form, which kept ``h`` (not ``gelu'(h)``) for the
   backward and evaluated the derivative in the backward's epilogue;
 - the whole MLP, forward and backward (weight gradients and bias sums
@@ -182,6 +184,17 @@ def main():
     kernel_row(f"matmul_scaled by gelu'(h) {t}",
                jax.jit(lambda dy, wt, s, t=t: hopper_mlp.matmul_scaled(dy, wt, s, tiling=t)),
                (dy, w2tb, dg_ref.astype(bf)), lambda o: f"dh {rel_err(o, dh_ref):.1e}")
+  t0 = tilings[0]
+  db1_ref = jnp.sum(dh_ref.astype(jnp.float32), axis=0)
+  kernel_row(f"matmul_scaled, then XLA's bias-gradient sum {t0}",
+             jax.jit(lambda dy, wt, s: (lambda dh: (dh, jnp.sum(dh.astype(jnp.float32), 0)))(
+                 hopper_mlp.matmul_scaled(dy, wt, s, tiling=t0))),
+             (dy, w2tb, dg_ref.astype(bf)), lambda o: f"db1 {rel_err(o[1], db1_ref):.1e}")
+  kernel_row(f"matmul_scaled, col_sums=True (the sum in the kernel) {t0}",
+             jax.jit(lambda dy, wt, s: hopper_mlp.matmul_scaled(dy, wt, s, col_sums=True,
+                                                                tiling=t0)),
+             (dy, w2tb, dg_ref.astype(bf)),
+             lambda o: f"dh {rel_err(o[0], dh_ref):.1e}, db1 {rel_err(o[1], db1_ref):.1e}")
   kernel_row(f"earlier form: dgelu from h {tilings[0]}",
              jax.jit(lambda dy, wt, h: hopper_mlp._gemm(dy, wt, aux=h, epilogue=_times_gelu_grad,
                                                         num_out=1, tiling=tilings[0])[0]),

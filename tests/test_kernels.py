@@ -58,14 +58,29 @@ def test_dense_gelu_matches_xla():
     assert np.mean(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-6) > 0.99
 
 
-def test_matmul_scaled_matches_xla():
+@pytest.mark.parametrize("tiling", [SMALL, hm.Tiling(tile_m=128, tile_n=128, tile_k=64, stages=2)],
+                         ids=["one_row_of_subtiles", "two_rows_of_subtiles"])
+def test_matmul_scaled_matches_xla(tiling):
   ks = jax.random.split(jax.random.key(1), 3)
   dy = _rand(ks[0], (M, K), 1.0, jnp.bfloat16)
   wt = _rand(ks[1], (K, N), K ** -0.5, jnp.bfloat16)
   scale = _rand(ks[2], (M, N), 1.0, jnp.bfloat16)
-  dh = hm.matmul_scaled(dy, wt, scale, tiling=SMALL, interpret=True)
+  dh = hm.matmul_scaled(dy, wt, scale, tiling=tiling, interpret=True)
   ref = (dy.astype(jnp.float32) @ wt.astype(jnp.float32)) * scale.astype(jnp.float32)
   np.testing.assert_allclose(dh.astype(jnp.float32), ref, rtol=2 ** -7, atol=2e-3)
+  # With the column sums (fc1's bias gradient): the same dh, and the float32
+  # sum of its bf16 values over every row (each tile's rows counted once).
+  dh2, sums = hm.matmul_scaled(dy, wt, scale, col_sums=True, tiling=tiling, interpret=True)
+  np.testing.assert_array_equal(dh2, dh)
+  assert sums.shape == (N,) and sums.dtype == jnp.float32
+  np.testing.assert_allclose(sums, jnp.sum(dh.astype(jnp.float32), axis=0), rtol=1e-6, atol=1e-5)
+
+
+def test_column_sums_need_the_in_place_epilogue():
+  x = jnp.zeros((128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="col_sums needs one output computed from aux"):
+    hm._gemm(x, jnp.zeros((64, 128), jnp.bfloat16), epilogue=lambda a, *_: (a,), num_out=1,
+             col_sums=True, tiling=SMALL, interpret=True)
 
 
 def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():

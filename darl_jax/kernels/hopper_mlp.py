@@ -146,7 +146,7 @@ def _num_ctas(tiles: int, tiling: Tiling, interpret: bool) -> int:
 
 
 def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
-          tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+          col_sums: bool = False, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
   """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
 
   ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
@@ -155,6 +155,17 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   ``epilogue(acc, bias, aux)`` gets the float32 accumulator sub-tile and
   returns ``num_out`` arrays of the same shape; each becomes an ``[M, N]``
   bf16 output.
+
+  ``col_sums`` (one output computed from aux only): also return the output's
+  column sums per row of tiles, ``[M / tile_m, N]`` float32 (summing the
+  bf16 values as stored, as ``jnp.sum(out.astype(float32), 0)`` does).
+  They are taken on the tensor cores: once a sub-tile of the output sits in
+  shared memory for its store, ``ones[epi, epi] @ sub_tile`` adds its
+  column sums to every row of a small accumulator, and row 0 of that is
+  stored. (A cross-warp ``jnp.sum`` in the epilogue needs Mosaic's
+  reduction scratch, which another version of this kernel saw give wrong
+  sums on the GPU.) The GPU interpreter runs no ``wgmma`` with a register
+  operand, so there the sums are a plain ``jnp.sum`` of the same sub-tile.
 
   Schedule ("ping-pong"): a CTA walks its share of the output tiles in
   order; the memory warpgroup streams their A/B steps through one ring of
@@ -176,7 +187,9 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   m_iters, n_iters, k_iters = m // tm, n // tn, k // tk
   tiles = m_iters * n_iters
   ctas = _num_ctas(tiles, t, interpret)
-  subtiles = [(i, j) for i in range(tm // t.epi) for j in range(tn // t.epi)]
+  # Column-major order: a column of sub-tiles is finished before the next
+  # (the column sums are taken per column of sub-tiles).
+  subtiles = [(i, j) for j in range(tn // t.epi) for i in range(tm // t.epi)]
   n_sub = len(subtiles)
   in_transforms = swizzled(tk, dtype)
   epi_transforms = swizzled(t.epi, dtype)
@@ -185,6 +198,9 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   # shared memory and stored from there; other outputs go through two
   # sub-tile slots per warpgroup.
   in_place = has_aux and num_out == 1
+  if col_sums and not in_place:
+    raise ValueError("col_sums needs one output computed from aux (in place)")
+  rows_per_col = tm // t.epi
 
   def as_layout(x, layout):   # the GPU interpreter has no layouts
     return x if interpret else plgpu.layout_cast(x, layout)
@@ -194,7 +210,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
     rest = list(refs[2:])
     bias_gmem = rest.pop(0) if has_bias else None
     aux_gmem = rest.pop(0) if has_aux else None
-    outs = rest
+    outs = rest[:num_out]
+    sums_gmem = rest[num_out] if col_sums else None
     sm = lax.axis_index("sm")
     local_tiles = (tiles - sm + ctas - 1) // ctas     # tiles sm, sm + ctas, ...
 
@@ -216,11 +233,14 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
         empty=plgpu.Barrier(num_arrivals=1, num_barriers=depth),     # slot consumed
         aux_barriers=plgpu.Barrier(num_barriers=2 * n_sub) if has_aux else None,
         bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
+        # [epi, epi] float32 per compute warpgroup: a column-sum accumulator
+        # (every row the same) on its way to the output's row of sums.
+        sums_smem=(plgpu.SMEM((2, t.epi, t.epi), jnp.float32) if col_sums else None),
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
     def _scope(a_smem, b_smem, aux_smem, out_smem, bias_smem, full, empty, aux_barriers,
-               bias_barriers):
+               bias_barriers, sums_smem):
 
       def producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -262,6 +282,30 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
 
           def sub(ref, i, j):   # the (i, j) epilogue sub-tile of an [M, N] array
             return ref.at[pl.ds(row + i * t.epi, t.epi), pl.ds(col + j * t.epi, t.epi)]
+
+          def column_sums(tile_row, first_col, tiles_smem):
+            """Row ``tile_row`` of the sums at columns ``first_col + [0, epi)``:
+            the column sums of the bf16 sub-tiles ``tiles_smem`` (each
+            ``[epi, epi]``, already written and fenced)."""
+            stage = sums_smem.at[wg]
+            if interpret:
+              total = sum(jnp.sum(r[...].astype(jnp.float32), axis=0, keepdims=True)
+                          for r in tiles_smem)
+              stage[pl.ds(0, 1), :] = total
+            else:
+              ones = plgpu.layout_cast(jnp.ones((t.epi, t.epi), dtype), plgpu.Layout.WGMMA)
+
+              @functools.partial(pl.run_scoped, sums_acc=plgpu.ACC((t.epi, t.epi), jnp.float32))
+              def _sums(sums_acc):
+                for r in tiles_smem:
+                  plgpu.wgmma(sums_acc, ones, r)
+                plgpu.wgmma_wait(0)
+                # The stage's last store: issued before this column's stores.
+                plgpu.wait_smem_to_gmem(rows_per_col, wait_read_only=True)
+                stage[...] = sums_acc[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, 1)],
+                                    sums_gmem.at[pl.ds(tile_row, 1), pl.ds(first_col, t.epi)])
 
           # Fetch the bias / aux slices while the product runs.
           if has_aux:
@@ -308,6 +352,9 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
                 aux_smem[wg, s] = results[0].astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
+                if col_sums and i == rows_per_col - 1:   # this column of sub-tiles is stored
+                  column_sums(row // tm, col + j * t.epi,
+                              [aux_smem.at[wg, s - r] for r in range(rows_per_col)])
               else:
                 slot = s % 2
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last stores
@@ -324,9 +371,12 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
       lax.cond(wg == 2, producer, lambda: consumer(wg))
 
   inputs = [a, b] + ([bias] if has_bias else []) + ([aux] if has_aux else [])
+  out_type = [jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)]
+  if col_sums:
+    out_type.append(jax.ShapeDtypeStruct((m_iters, n), jnp.float32))
   kernel = plgpu.kernel(
       body,
-      out_type=tuple(jax.ShapeDtypeStruct((m, n), dtype) for _ in range(num_out)),
+      out_type=tuple(out_type),
       grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
@@ -361,11 +411,17 @@ def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = Fa
                tiling=tiling, interpret=interpret)
 
 
-def matmul_scaled(dy, wt, scale, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
-  """``(dy @ wt) * scale``, ``[M, N]`` bf16: with ``scale = gelu'(h)``, the
-  gradient at fc1's output."""
-  return _gemm(dy, wt, aux=scale, epilogue=_scale_epilogue, num_out=1,
-               tiling=tiling, interpret=interpret)[0]
+def matmul_scaled(dy, wt, scale, *, col_sums: bool = False, tiling: Tiling = DEFAULT_TILING,
+                  interpret: bool = False):
+  """``dh = (dy @ wt) * scale``, ``[M, N]`` bf16: with ``scale = gelu'(h)``,
+  the gradient at fc1's output. ``col_sums``: return ``(dh, sum(dh, 0))``
+  instead, the sum (fc1's bias gradient) in float32 over dh's bf16 values,
+  taken inside the kernel rather than by a pass of its own over dh."""
+  out = _gemm(dy, wt, aux=scale, epilogue=_scale_epilogue, num_out=1, col_sums=col_sums,
+              tiling=tiling, interpret=interpret)
+  if col_sums:
+    return out[0], jnp.sum(out[1], axis=0)
+  return out[0]
 
 
 def _flat(x):
@@ -401,8 +457,8 @@ def _mlp_bwd(kernels, interpret, res, dy):
   x2, w1, b1, w2, b2, g, dg = res
   dt = x2.dtype
   dy2 = _flat(dy).astype(dt)
-  dh = matmul_scaled(dy2, w2.astype(dt).T, dg, tiling=kernels.bwd, interpret=interpret)
-  db1 = jnp.sum(dh.astype(jnp.float32), axis=0)
+  dh, db1 = matmul_scaled(dy2, w2.astype(dt).T, dg, col_sums=True, tiling=kernels.bwd,
+                          interpret=interpret)
   db2 = jnp.sum(dy2.astype(jnp.float32), axis=0)
   dx = lax.dot_general(dh, w1.astype(dt), (((1,), (1,)), ((), ())))
   return (dx.reshape(dy.shape[:-1] + x2.shape[-1:]), _wgrad(x2, dh).astype(w1.dtype),
