@@ -156,6 +156,9 @@ class BlockLnMlpRecompute(vit.Block):
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
+    if self.norm_impl != "xla":   # its norms are XLA's; the triton ViT passes branches
+      raise ValueError("the ln_mlp_recompute variant is for model.norm_impl='xla'; "
+                       f"drop --set model.norm_impl={self.norm_impl}")
     y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=self.dtype, name="norm1")(x)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,

@@ -1,7 +1,7 @@
 """The fused LayerNorm kernels (darl_jax/kernels/layer_norm.py) on CPU: their
-numbers in Pallas's Triton interpreter against a float32 LayerNorm, the
-models' ``norm_impl='triton'`` against flax's LayerNorm, and their lowering
-for CUDA at the model widths."""
+numbers in Pallas's Triton interpreter against a float32 LayerNorm (and, for
+``add_layer_norm``, against XLA's add), the models' ``norm_impl='triton'``
+against flax's LayerNorm, and their lowering for CUDA at the model widths."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import pytest
 from darl_jax import config_lib
 from darl_jax.kernels import layer_norm as ln
 from darl_jax.models import darl as darl_lib
+from darl_jax.models import decoders
 from darl_jax.models import vit
 from test_kernels import perturbed, vit_inputs
 
@@ -90,6 +91,78 @@ def test_plain_layer_norm_gradient(width):
     assert a.shape == b.shape and _rel(a, b) < 1e-5
 
 
+def _add_reference(x, y, scale, bias):
+  """(x + y, LN(x + y)): XLA's add, then the float32 LayerNorm."""
+  s = x + y
+  return s, _reference(s, scale, bias)[1]
+
+
+# 64: one chunk, the backward kernel; 80: two chunks, XLA's backward. 37 rows:
+# a partial last block.
+@pytest.mark.parametrize("width", [64, 80])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_layer_norm_is_xlas_add_then_the_norm(width, dtype):
+  x, scale, bias, y, _ = _inputs(width, dtype)
+  s, out = ln.add_layer_norm(x, y, scale, bias, EPS, SMALL, True)
+  # the sum rounded as XLA rounds x + y (bf16: a float32 add rounded to bf16)
+  assert s.dtype == dtype and np.array_equal(np.asarray(s), np.asarray(x + y))
+  assert out.dtype == dtype and out.shape == x.shape
+  tol = 1e-6 if dtype == jnp.float32 else 5e-3
+  assert _rel(out, _add_reference(x, y, scale, bias)[1]) < tol
+  # the statistics kept for the backward are the sum's
+  _, _, (mean, rstd) = ln.add_forward(x, y, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
+  _, (mean_s, rstd_s) = ln.forward(s, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
+  np.testing.assert_array_equal(mean, mean_s)
+  np.testing.assert_array_equal(rstd, rstd_s)
+
+
+@pytest.mark.parametrize("width", [64, 80])
+@pytest.mark.parametrize("x_dtype,y_dtype", [(jnp.float32, jnp.float32),
+                                             (jnp.bfloat16, jnp.bfloat16),
+                                             (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize("use_sum", [True, False])
+def test_add_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
+  """dx, dy, dscale, dbias as jax.grad of XLA's add and a float32 LayerNorm,
+  under a random readout of both outputs (``use_sum``) or of the norm's
+  alone (a final norm: the sum's cotangent is a symbolic zero, not read)."""
+  x, scale, bias, _, _ = _inputs(width, x_dtype)
+  k = jax.random.split(jax.random.key(7), 3)
+  y = jax.random.normal(k[0], x.shape).astype(y_dtype)
+  r_sum, r_out = jax.random.normal(k[1], x.shape), jax.random.normal(k[2], x.shape)
+
+  def loss(f):
+    def g(*args):
+      s, out = f(*args)
+      total = jnp.sum(out.astype(jnp.float32) * r_out)
+      return total + jnp.sum(s.astype(jnp.float32) * r_sum) if use_sum else total
+    return g
+
+  args = (x, y, scale, bias)
+  grad = jax.grad(loss(lambda *a: ln.add_layer_norm(*a, EPS, SMALL, True)), (0, 1, 2, 3))
+  got = grad(*args)
+  want = jax.grad(loss(_add_reference), (0, 1, 2, 3))(*args)
+  if width == 64:
+    # the backward kernel reads the sum's cotangent only where it has one
+    # (x, scale, mean, rstd, dy [, dres])
+    bwd = [e for e in jax.make_jaxpr(grad)(*args).eqns if e.params.get("name") == "layer_norm_bwd"]
+    assert [len(e.invars) for e in bwd] == [6 if use_sum else 5]
+  # dx and dy are the one gradient of the sum, in their inputs' dtypes
+  assert [a.dtype for a in got] == [x_dtype, y_dtype, jnp.float32, jnp.float32]
+  assert np.array_equal(np.asarray(got[0].astype(y_dtype)), np.asarray(got[1]))
+  tol = 1e-5 if x_dtype == y_dtype == jnp.float32 else 5e-3
+  for name, a, b in zip(("dx", "dy", "dscale", "dbias"), got, want):
+    assert a.shape == b.shape and _rel(a, b) < tol, name
+
+
+def test_add_layer_norm_needs_operands_of_one_shape():
+  x, scale, bias = jnp.zeros((4, 8)), jnp.ones((8,)), jnp.zeros((8,))
+  with pytest.raises(ValueError, match=r"x \(4, 8\) and y \(1, 8\) must have the same shape"):
+    ln.add_layer_norm(x, jnp.zeros((1, 8)), scale, bias, EPS, SMALL, True)
+  with pytest.raises(ValueError, match="must have the same shape"):
+    jax.grad(lambda y: jnp.sum(ln.add_layer_norm(x, y, scale, bias, EPS, SMALL, True)[1]))(
+        jnp.zeros((4, 1)))
+
+
 def test_layer_norm_checks_its_parameters():
   x = jnp.zeros((4, 8))
   with pytest.raises(ValueError, match=r"must be \[width\]"):
@@ -98,33 +171,62 @@ def test_layer_norm_checks_its_parameters():
     ln.Blocks(rows=3)
 
 
-def _tiny_vit(norm_impl, dtype=jnp.float32):
-  return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, norm_impl=norm_impl)
+def _tiny_vit(norm_impl, dtype=jnp.float32, **kw):
+  return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, norm_impl=norm_impl, **kw)
 
 
-def test_vit_with_triton_norms_is_the_same_model():
+# Two blocks: the triton norms add the attention branch in norm2 and the first
+# block's MLP branch in the second block's norm1, the last in the final norm;
+# unrolled and scanned (the carry is (x, branch)), with drop path on the
+# branches, and under remat (the add between blocks left to XLA).
+@pytest.mark.parametrize("kw,train", [
+    ({}, False), ({"scan_layers": True}, False), ({"drop_path": 0.5}, True),
+    ({"remat": "full"}, False)], ids=["unrolled", "scan", "drop_path", "remat"])
+def test_vit_with_triton_norms_is_the_same_model(kw, train):
   """Same parameter tree, same features and block outputs, and parameter
   gradients equal to float32 rounding under a random readout."""
-  args = vit_inputs(3, 4)
-  params = _tiny_vit("xla").init(jax.random.key(1), *args)["params"]
-  assert (jax.tree.structure(_tiny_vit("triton").init(jax.random.key(1), *args)["params"])
+  batch = 8 if train else 3   # 8 images: drop path keeps some branches, drops others
+  args = vit_inputs(batch, 4)
+  params = _tiny_vit("xla", **kw).init(jax.random.key(1), *args)["params"]
+  assert (jax.tree.structure(_tiny_vit("triton", **kw).init(jax.random.key(1), *args)["params"])
           == jax.tree.structure(params))
   params = perturbed(params)   # scales and biases away from 1 and 0
-  readout = jax.random.normal(jax.random.key(3), (3, 16, 64))
+  readout = jax.random.normal(jax.random.key(3), (3, batch, 16, 64))
+  # the same per-example drop-path masks for both (drop rate 0.5 in block 1)
+  rngs = {"dropout": jax.random.key(4)}
 
   def loss(impl):
     def f(p):
-      out = _tiny_vit(impl).apply({"params": p}, *args)
+      out = _tiny_vit(impl, **kw).apply({"params": p}, *args, train=train, rngs=rngs)
       # LN output alone is scale-free upstream; the block outputs make every
       # parameter's gradient count
-      return jnp.sum(out["features"] * readout) + jnp.sum(out["block_00"] * readout), out
+      return jnp.sum(out["features"] * readout[0]) + sum(
+          jnp.sum(out[f"block_{i:02d}"] * readout[1 + i]) for i in range(2)), out
     return jax.value_and_grad(f, has_aux=True)(params)
 
   (_, out_x), g_x = loss("xla")
   (_, out_t), g_t = loss("triton")
-  for key in ("features", "block_00", "block_01"):
+  assert out_t.keys() == out_x.keys() == {"features", "block_00", "block_01"}
+  for key in out_x:
     assert _rel(out_t[key], out_x[key]) < 1e-5, key
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_t), jax.tree.leaves(g_x)):
+    assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
+
+
+def test_mlp_decoder_with_triton_norms_is_the_same_function():
+  """The residual MLP decoder adds each block's output in the next norm's
+  kernel (the last in the final norm): same outputs and gradients as XLA's."""
+  z = jax.random.normal(jax.random.key(0), (37, 64))
+  x_noisy = jax.random.normal(jax.random.key(1), (37, 12))
+  make = lambda impl: decoders.PatchDecoder("mlp", 12, depth=2, width=64, mlp_ratio=2,
+                                            norm_impl=impl)
+  params = perturbed(make("xla").init(jax.random.key(2), z, x_noisy)["params"])
+  readout = jax.random.normal(jax.random.key(3), (37, 12))
+  loss = lambda impl: jax.value_and_grad(
+      lambda p, z: jnp.sum(make(impl).apply({"params": p}, z, x_noisy) * readout), (0, 1))
+  got, want = loss("triton")(params, z), loss("xla")(params, z)
+  assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0]))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
     assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
 
 
@@ -161,15 +263,18 @@ def test_unknown_norm_impl_names_the_valid_ones():
 @pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 0), (768, 0)])
 def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
   """Triton lowering (block shapes, layouts) at ViT-L/H/B widths: one forward
-  kernel per norm; the backward kernel where the width is a power of two."""
+  kernel per norm (the residual norm's and the add-and-norm's); the backward
+  kernel where the width is a power of two."""
   s = jax.ShapeDtypeStruct
   x, v = s((64, 197, width), jnp.bfloat16), s((width,), jnp.float32)
 
   def loss(x, scale, bias):
     r, y = ln.residual_layer_norm(x, scale, bias)
+    r, y = ln.add_layer_norm(r, y, scale, bias)
     return jnp.sum(r.astype(jnp.float32) * y.astype(jnp.float32))
 
   text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, v, v).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("layer_norm_fwd") >= 1
+  assert text.count("add_layer_norm_fwd") >= 1
+  assert text.count("layer_norm_fwd") > text.count("add_layer_norm_fwd")
   assert (text.count("layer_norm_bwd") >= 1) == bool(backward_kernels)

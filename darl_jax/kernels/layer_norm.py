@@ -23,14 +23,29 @@ the residual stream's gradient). At ViT-L/16, batch 256 on an H200 that is
 residual add, so its cotangent arrives in this op's backward and is added
 in the kernel instead of in a pass of XLA's own.
 
+``add_layer_norm(x, y, scale, bias) -> (s, LN(s))`` with ``s = x + y`` does
+the residual add in the forward kernel of the norm that follows it (the
+same kernel, given a second input and a second output): it reads ``x`` and
+``y`` and writes ``s`` and ``LN(s)``. In a GPU profile of the ViT-L/16 step
+(batch 256, bf16 rows [50432, 1024]) the 48 residual adds were passes of
+their own, 3.5 ms of 186 ms, each reading two arrays and writing ``s``,
+which the norm then read back; fused, that read is saved: about 1.4 ms a
+step by bytes moved; one add and norm forward at that shape, timed once on
+an H200, 0.136 ms as XLA's add and the kernel, 0.115 ms fused (1.0 ms over
+48). ``s`` is rounded as XLA's ``x + y`` is (bf16: a float32 add
+rounded to bf16), so the model's numbers do not change. The backward is
+``residual_layer_norm``'s at ``s`` (the add's gradient passes to ``x`` and
+``y`` unchanged), and reads no cotangent for ``s`` where ``s`` goes unused
+(a final norm).
+
 Triton blocks are powers of two, so a row is held as power-of-two chunks
 (ViT-H's 1280 as 1024 + 256; ``chunks``). On CPU the kernels run in
 Pallas's interpreter (tests); on TPUs use XLA's (``model.norm_impl='xla'``).
 
 Use: ``model.norm_impl='triton'`` (models/vit.py). Measured on an H200
-(benchmarks/RESULTS.md, "ninth session"): the forward 28-35% faster than
-XLA's at ViT-B/L/H widths, forward + backward 20% at ViT-L's 1024, the
-ViT-L/16 training step 1.1% faster.
+(benchmarks/RESULTS.md, "ninth session"), before the add was fused: the
+forward 28-35% faster than XLA's at ViT-B/L/H widths, forward + backward
+20% at ViT-L's 1024, the ViT-L/16 training step 1.1% faster.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -96,12 +112,24 @@ def _vector(ref, start, size):
   return ref[pl.dslice(start, size)].astype(jnp.float32)
 
 
-def _forward_kernel(x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref, *, eps, block_rows):
+def _forward_kernel(*refs, eps, block_rows, has_add):
+  if has_add:
+    x_ref, add_ref, scale_ref, bias_ref, s_ref, y_ref, mean_ref, rstd_ref = refs
+  else:
+    x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
   n, width = x_ref.shape
   rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
   rmask = rows < n
   parts = chunks(width)
   xs = [_load(x_ref, rows, rmask, start, size) for start, size in parts]
+  if has_add:
+    # the residual add, rounded to x's dtype as XLA's x + y is (a bf16 add is
+    # a float32 add rounded to bf16); the norm is of the rounded sum, which is
+    # also what the backward reads back
+    for i, (start, size) in enumerate(parts):
+      s = (xs[i] + _load(add_ref, rows, rmask, start, size)).astype(s_ref.dtype)
+      _store(s_ref, rows, rmask, start, s)
+      xs[i] = s.astype(jnp.float32)
   mean = sum(jnp.sum(x, axis=1) for x in xs) / width
   centred = [x - mean[:, None] for x in xs]
   # two-pass variance (centred values, already in registers): no cancellation
@@ -169,19 +197,40 @@ def _check(x, scale, bias):
 def forward(x, scale, bias, *, eps: float, blocks: Blocks = DEFAULT_BLOCKS,
             interpret: bool = False):
   """``(LN(x), (mean, rstd))`` over the last axis, the statistics float32 ``[rows]``."""
+  _, y, stats = _forward(x, None, scale, bias, eps, blocks, interpret)
+  return y, stats
+
+
+def add_forward(x, y, scale, bias, *, eps: float, blocks: Blocks = DEFAULT_BLOCKS,
+                interpret: bool = False):
+  """``(s, LN(s), (mean, rstd))`` for ``s = x + y`` (in ``x``'s dtype), in one kernel."""
+  if y.shape != x.shape:
+    raise ValueError(f"add_layer_norm: x {x.shape} and y {y.shape} must have the same shape "
+                     "(the kernel adds them row by row; broadcast y first)")
+  return _forward(x, y, scale, bias, eps, blocks, interpret)
+
+
+def _forward(x, add, scale, bias, eps, blocks, interpret):
+  """The forward kernel: ``(s, LN(s), (mean, rstd))`` for ``s = x + add``,
+  or ``(None, LN(x), (mean, rstd))`` where ``add`` is None."""
   _check(x, scale, bias)
   width = x.shape[-1]
   x2 = x.reshape(-1, width)
   n = x2.shape[0]
-  y, mean, rstd = pl.pallas_call(
-      functools.partial(_forward_kernel, eps=eps, block_rows=blocks.rows),
+  row_out = jax.ShapeDtypeStruct(x2.shape, x.dtype)
+  stat = jax.ShapeDtypeStruct((n,), jnp.float32)
+  inputs = (x2,) if add is None else (x2, add.reshape(-1, width))
+  outs = pl.pallas_call(
+      functools.partial(_forward_kernel, eps=eps, block_rows=blocks.rows,
+                        has_add=add is not None),
       grid=(pl.cdiv(n, blocks.rows),),
-      out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),
-                 jax.ShapeDtypeStruct((n,), jnp.float32),
-                 jax.ShapeDtypeStruct((n,), jnp.float32)),
+      out_shape=(row_out,) * len(inputs) + (stat, stat),   # [s,] y, mean, rstd
       compiler_params=pltriton.CompilerParams(num_warps=blocks.warps),
-      interpret=interpret, name="layer_norm_fwd")(x2, scale, bias)
-  return y.reshape(x.shape), (mean, rstd)
+      interpret=interpret,
+      name="layer_norm_fwd" if add is None else "add_layer_norm_fwd")(*inputs, scale, bias)
+  *out, mean, rstd = outs
+  s = None if add is None else out[0].reshape(x.shape)
+  return s, out[-1].reshape(x.shape), (mean, rstd)
 
 
 def backward(x, scale, mean, rstd, dy, dres=None, *, blocks: Blocks = DEFAULT_BLOCKS,
@@ -273,3 +322,43 @@ def _residual_bwd(eps, blocks, interpret, saved, cotangents):
 
 
 residual_layer_norm.defvjp(_residual_fwd, _residual_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def add_layer_norm(x, y, scale, bias, eps: float = 1e-6,
+                   blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
+  """``(s, LN(s) * scale + bias)`` for ``s = x + y``: a residual add and the
+  next pre-LN norm in one kernel, which reads ``x`` and ``y`` and writes
+  ``s`` and the normalised rows. ``s`` is in ``x``'s dtype and rounded as
+  XLA's ``x + y`` is (the same bits when ``y``'s dtype is ``x``'s); ``x`` and
+  ``y`` have the same shape.
+
+  The gradient is ``residual_layer_norm``'s at ``s`` (the residual stream's
+  cotangent added in the backward kernel), given to ``x`` and ``y`` both (in
+  their dtypes): an add passes its cotangent on unchanged. A cotangent of
+  ``s`` that is symbolically zero (``s`` unused, as in a final norm) is not
+  read."""
+  s, out, _ = add_forward(x, y, scale, bias, eps=eps, blocks=blocks, interpret=interpret)
+  return s, out
+
+
+def _add_fwd(x, y, scale, bias, eps, blocks, interpret):
+  # symbolic_zeros: the primals come wrapped (value, perturbed)
+  x, y, scale, bias = (a.value for a in (x, y, scale, bias))
+  s, out, (mean, rstd) = add_forward(x, y, scale, bias, eps=eps, blocks=blocks,
+                                     interpret=interpret)
+  # y itself is not needed; an empty array keeps its dtype for the cotangent
+  return (s, out), (s, scale, mean, rstd, jnp.zeros((0,), y.dtype))
+
+
+def _add_bwd(eps, blocks, interpret, saved, cotangents):
+  s, scale, mean, rstd, y_like = saved
+  ds, dout = cotangents
+  if isinstance(dout, SymbolicZero):
+    dout = jnp.zeros(s.shape, s.dtype)
+  dres = None if isinstance(ds, SymbolicZero) else ds
+  d, dscale, dbias = _norm_bwd(eps, blocks, interpret, (s, scale, mean, rstd), dout, dres)
+  return d, d.astype(y_like.dtype), dscale, dbias
+
+
+add_layer_norm.defvjp(_add_fwd, _add_bwd, symbolic_zeros=True)

@@ -174,7 +174,9 @@ class Mlp(nn.Module):
 # "xla": flax's nn.LayerNorm. "triton": the same function and parameters on
 # darl_jax/kernels/layer_norm.py's Pallas Triton kernels (NVIDIA GPUs), one
 # pass over the tokens each way, with the residual stream's gradient added in
-# the norm's backward (benchmarks/RESULTS.md has the speed-up).
+# the norm's backward (benchmarks/RESULTS.md has the speed-up), and each
+# residual add done in the forward kernel of the norm that follows it (see
+# Block).
 NORM_IMPLS = ("xla", "triton")
 
 
@@ -188,11 +190,13 @@ class TritonLayerNorm(nn.Module):
   """nn.LayerNorm (same parameter names, shapes, initialisers, epsilon and
   float32 statistics) on the fused kernels. ``residual=True`` returns
   ``(x, LN(x))``: ``x`` handed on unchanged for the residual add, so that its
-  gradient joins the norm's in one backward pass."""
+  gradient joins the norm's in one backward pass. ``add=y`` returns ``(s,
+  LN(s))`` for ``s = x + y``, the add done in the norm's forward kernel (the
+  gradient as with ``residual``)."""
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, residual: bool = False):
+  def __call__(self, x, residual: bool = False, add=None):
     from darl_jax.kernels import layer_norm   # imports Pallas Triton only when used
     device = jax.devices()[0]
     if device.platform not in ("gpu", "cpu"):
@@ -203,6 +207,10 @@ class TritonLayerNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (width,), jnp.float32)
     # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
     interpret = jax.default_backend() != "gpu"
+    if add is not None:
+      s, y = layer_norm.add_layer_norm(x, add, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS,
+                                       interpret)
+      return s, y.astype(self.dtype)
     fn = layer_norm.residual_layer_norm if residual else layer_norm.layer_norm
     out = fn(x, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS, interpret)
     if residual:
@@ -210,24 +218,50 @@ class TritonLayerNorm(nn.Module):
     return out.astype(self.dtype)
 
 
-def final_norm(impl: str, dtype, name: str, x):
+def final_norm(impl: str, dtype, name: str, x, add=None):
   """LN(x) by ``impl`` (NORM_IMPLS), for a norm whose input is not used
-  again. Call from a compact method: the norm's parameters go under ``name``."""
+  again; ``LN(x + add)`` if ``add`` is given (the triton norm adds in its
+  kernel). Call from a compact method: the norm's parameters go under ``name``."""
   if check_norm_impl(impl) == "triton":
+    if add is not None:   # the sum goes unused: its gradient is a symbolic zero, not read
+      return TritonLayerNorm(dtype=dtype, name=name)(x, add=add)[1]
     return TritonLayerNorm(dtype=dtype, name=name)(x)
+  if add is not None:
+    x = x + add
   return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
 
 
-def pre_norm(impl: str, dtype, name: str, x):
+def pre_norm(impl: str, dtype, name: str, x, add=None):
   """``(x, LN(x))`` for a pre-LN residual branch, by ``impl``: the triton
-  norm adds the residual's gradient in its own backward."""
+  norm adds the residual's gradient in its own backward. With ``add`` (the
+  residual add before the norm), ``(s, LN(s))`` for ``s = x + add``: the
+  triton norm reads ``x`` and ``add`` and writes both in one kernel, where
+  XLA would add in a pass of its own and the norm read the sum back."""
   if check_norm_impl(impl) == "triton":
-    return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True)
+    return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True, add=add)
+  if add is not None:
+    x = x + add
   return x, final_norm(impl, dtype, name, x)
 
 
 class Block(nn.Module):
-  """Pre-LayerNorm Transformer block: x + attn(LN(x)); x + mlp(LN(x))."""
+  """Pre-LayerNorm Transformer block: x + attn(LN(x)); x + mlp(LN(x)).
+
+  Each residual add feeds a norm, and with ``norm_impl='triton'`` it is done
+  in that norm's forward kernel (``pre_norm``'s ``add``) instead of in an XLA
+  pass of its own: the attention branch's add in norm2, and, between blocks,
+  the MLP branch's add in the next block's norm1 (or the final norm). In the
+  ViT-L/16 step (batch 256, bf16; a GPU profile) the 48 adds were 3.5 ms of
+  186 ms, each reading two [50432, 1024] arrays and writing one that the norm
+  then read back; fused, that read is saved (about 1.4 ms a step by bytes
+  moved; darl_jax/kernels/layer_norm.py has a timing).
+
+  For the add between blocks the block hands its output on un-added:
+  ``return_branch=True`` returns ``(x, branch)`` with the output ``x +
+  branch`` (``branch`` drop-pathed already), and ``branch=`` takes the
+  previous block's, so that this block's input is ``x + branch``, added in
+  norm1. With ``norm_impl='xla'`` the same arguments add in XLA. The
+  parameters are the same either way."""
   num_heads: int
   mlp_dim: int
   causal: bool = True
@@ -236,27 +270,37 @@ class Block(nn.Module):
   dtype: Any = jnp.float32
   mlp_impl: str = "xla"
   norm_impl: str = "xla"
+  return_branch: bool = False
 
   @nn.compact
-  def __call__(self, x, rope=None, mask=None, deterministic: bool = True):
-    x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x)
+  def __call__(self, x, rope=None, mask=None, deterministic: bool = True, branch=None):
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x, add=branch)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
         dtype=self.dtype, name="attn")(y, rope, mask)
-    x = x + DropPath(self.drop_path)(y, deterministic)
-    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x)
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x,
+                    add=DropPath(self.drop_path)(y, deterministic))
     y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, name="mlp")(y)
-    return x + DropPath(self.drop_path)(y, deterministic)
+    y = DropPath(self.drop_path)(y, deterministic)
+    return (x, y) if self.return_branch else x + y
 
 
 class ScanBlock(nn.Module):
-  """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants."""
+  """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants.
+  ``fuse_add``: the carry is ``(x, branch)`` (``Block.return_branch``), the
+  add between blocks done in the next block's norm1."""
   block_kwargs: dict
   deterministic: bool = True
+  fuse_add: bool = False
 
   @nn.compact
-  def __call__(self, x, rope):
-    x = Block(**self.block_kwargs, name="block")(x, rope, None, self.deterministic)
+  def __call__(self, carry, rope):
+    if self.fuse_add:
+      x, branch = carry
+      x, branch = Block(**self.block_kwargs, return_branch=True, name="block")(
+          x, rope, None, self.deterministic, branch)
+      return (x, branch), x + branch   # the block output, for probes (unused: removed)
+    x = Block(**self.block_kwargs, name="block")(carry, rope, None, self.deterministic)
     return x, x
 
 
@@ -358,6 +402,15 @@ class ViT(nn.Module):
       if self.remat not in policy:
         raise ValueError(f"unknown remat {self.remat!r}; valid: none, {', '.join(policy)}")
       block_cls = nn.remat(Block, policy=policy[self.remat], static_argnums=(4,))
+    # With the triton norms each block's last residual add is done in the
+    # next norm's kernel (Block): blocks hand on (x, branch) un-added, and
+    # the block outputs are x + branch in XLA, an add that XLA drops where
+    # they go unused (pretraining). Not under remat: a checkpointed block
+    # keeps its inputs for the backward, and (x, branch) would double the
+    # activations that remat='full' keeps (memory.py); the adds inside the
+    # block are fused there still.
+    fuse = self.norm_impl == "triton" and self.remat == "none"
+    branch = None
     if self.scan_layers:
       if self.drop_path:
         raise ValueError("scan_layers needs drop_path == 0 (per-layer rates differ); "
@@ -367,15 +420,26 @@ class ViT(nn.Module):
       stack = nn.scan(scan_cls, variable_axes={"params": 0},
                       split_rngs={"params": True, "dropout": True},
                       in_axes=nn.broadcast, length=self.depth)
-      x, ys = stack(self._block_kwargs(0), not train, name="blocks")(x, rope)
+      # fused, the carry is (x, branch) and the first block's branch zeros
+      # (every step is the same function; x + 0 is x): a memset and a read
+      # of zeros instead of depth adds. The stacked block outputs x + branch
+      # are dropped with the scan's other unused outputs where unused.
+      carry = (x, jnp.zeros_like(x)) if fuse else x
+      carry, ys = stack(self._block_kwargs(0), not train, fuse, name="blocks")(carry, rope)
+      x, branch = carry if fuse else (carry, None)
       for i in range(self.depth):
         out[f"block_{i:02d}"] = ys[i]
     else:
       for i in range(self.depth):
-        x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(
-            x, rope, None, not train)
-        out[f"block_{i:02d}"] = x
-    out["features"] = final_norm(self.norm_impl, self.dtype, "norm", x)
+        if fuse:
+          x, branch = block_cls(**self._block_kwargs(i), return_branch=True,
+                                name=f"block_{i:02d}")(x, rope, None, not train, branch)
+          out[f"block_{i:02d}"] = x + branch
+        else:
+          x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(
+              x, rope, None, not train)
+          out[f"block_{i:02d}"] = x
+    out["features"] = final_norm(self.norm_impl, self.dtype, "norm", x, add=branch)
     return out
 
 
