@@ -146,12 +146,13 @@ def pretrain_loss(config, images):
 
 
 def check_paths(args):
-  """bf16 + cuDNN against fp32 + XLA on the same parameters and batch."""
+  """The model as ``--set`` asks (bf16, kernels) against fp32 + XLA's attention,
+  MLP and norms, on the same parameters and batch."""
   out = {}
   # 32 x 196 tokens: a multiple of 128 rows, so model.mlp_impl=hopper runs its kernels.
   x = jax.random.uniform(jax.random.PRNGKey(3), (32, 224, 224, 3), jnp.float32, -1, 1)
   for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla",
-                                "model.mlp_impl=xla"]),
+                                "model.mlp_impl=xla", "model.norm_impl=xla"]),
                      ("fast", [])):
     init, loss = pretrain_loss(build("B/16", "diffusion", 32, list(args.set) + sets), x)
     out[name] = float(jax.jit(loss)(init(0)))
