@@ -13,6 +13,11 @@ the norm's output gradient plus the residual stream's gradient reaching
 (``rows x warps : bwd_rows x bwd_warps x programs``). GB/s counts the bytes
 the computation must move (forward: x in, y out; backward: x, dy and the
 residual gradient in, dx out), so 3000-4000 is the card's copy rate.
+
+A second table times the residual add before the norm (``s = x + a``, then
+``(s, LN(s))``, the same backward): XLA's add then XLA's norm, XLA's add then
+the kernels, and ``add_layer_norm`` (the add inside the forward kernel, as
+the triton ViT runs it).
 """
 
 from __future__ import annotations
@@ -104,6 +109,42 @@ def main():
     t_bwd = max(t_both - t_fwd, 1e-9)
     print(f"| {name} | {1e3 * t_fwd:.3f} | {fwd_bytes / t_fwd / 1e9:.0f} | "
           f"{1e3 * t_both:.3f} | {bwd_bytes / t_bwd / 1e9:.0f} | {rel_err(y, ref_y):.1e} | "
+          f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
+  add_rows(x, scale, bias, dres, dy, args.iters)
+
+
+def add_rows(x, scale, bias, dres, dy, iters):
+  """The residual add + norm three ways (fused and not), at the default blocks."""
+  a = (x.astype(jnp.float32) * 0.5 - 0.25).astype(x.dtype)   # another branch's output
+  interpret = jax.default_backend() != "gpu"
+
+  def added(norm):
+    return lambda x, a, s, b: norm(x + a, s, b)
+
+  candidates = [
+      ("XLA add, XLA norm", added(xla_norm)),
+      ("XLA add, kernels", added(lambda x, s, b: ln.residual_layer_norm(
+          x, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS, interpret))),
+      ("add_layer_norm (fused)", lambda x, a, s, b: ln.add_layer_norm(
+          x, a, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS, interpret)),
+  ]
+
+  def run(norm):
+    def f(x, a, s, b, dres, dy):
+      out, vjp = jax.vjp(norm, x, a, s, b)
+      return out[1], vjp((dres, dy.astype(out[1].dtype)))
+    return jax.jit(f)
+
+  ref_y, ref_g = run(added(reference))(x, a, scale, bias, dres, dy)
+  print("| residual add + norm | fwd ms | fwd+bwd ms | err y | err dx, da |")
+  print("|---|---|---|---|---|")
+  for name, norm in candidates:
+    fwd = jax.jit(lambda x, a, s, b, norm=norm: norm(x, a, s, b)[1])
+    both = run(norm)
+    y, g = both(x, a, scale, bias, dres, dy)
+    t_fwd = timed(fwd, x, a, scale, bias, iters=iters)
+    t_both = timed(both, x, a, scale, bias, dres, dy, iters=iters)
+    print(f"| {name} | {1e3 * t_fwd:.3f} | {1e3 * t_both:.3f} | {rel_err(y, ref_y):.1e} | "
           f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
 
 
