@@ -42,12 +42,18 @@ SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 128
 
 def parse_tiling(text: str) -> hopper_mlp.Tiling:
   """``128x128x64x2``: tile_m x tile_n x tile_k x stages (per compute
-  warpgroup), optionally x epi (the epilogue's sub-tile, default 64)."""
-  parts = [int(p) for p in text.split("x")]
+  warpgroup), optionally x epi (the epilogue's sub-tile, default 64); a
+  trailing ``o`` sets ``ordered`` (the warpgroups take turns at their main
+  loops): ``128x128x64x4o``."""
+  ordered = text.endswith("o")
+  try:
+    parts = [int(p) for p in text.removesuffix("o").split("x")]
+  except ValueError:
+    parts = []
   if len(parts) not in (4, 5):
-    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI]")
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI][o]")
   names = ("tile_m", "tile_n", "tile_k", "stages", "epi")
-  return hopper_mlp.Tiling(**dict(zip(names, parts)))
+  return hopper_mlp.Tiling(**dict(zip(names, parts)), ordered=ordered)
 
 
 def timed(f, *args, iters=10, reps=7):

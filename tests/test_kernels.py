@@ -58,8 +58,10 @@ def test_dense_gelu_matches_xla():
     assert np.mean(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-6) > 0.99
 
 
-@pytest.mark.parametrize("tiling", [SMALL, hm.Tiling(tile_m=128, tile_n=128, tile_k=64, stages=2)],
-                         ids=["one_row_of_subtiles", "two_rows_of_subtiles"])
+@pytest.mark.parametrize("tiling", [SMALL, hm.Tiling(tile_m=128, tile_n=128, tile_k=64, stages=2),
+                                    hm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2,
+                                              ctas=3, ordered=True)],
+                         ids=["one_row_of_subtiles", "two_rows_of_subtiles", "ordered"])
 def test_matmul_scaled_matches_xla(tiling):
   ks = jax.random.split(jax.random.key(1), 3)
   dy = _rand(ks[0], (M, K), 1.0, jnp.bfloat16)
@@ -134,8 +136,8 @@ def test_tiling_names_the_fix_for_shapes_it_cannot_divide():
     hm.Tiling().check(128, 4000, 1024)
 
 
-@pytest.mark.parametrize("model", ["L/16", "H/14"])
-def test_mlp_kernels_lower_for_hopper_at_model_sizes(model):
+@pytest.mark.parametrize("model,ordered", [("L/16", False), ("H/14", False), ("L/16", True)])
+def test_mlp_kernels_lower_for_hopper_at_model_sizes(model, ordered):
   """The training MLP's kernels fit a Hopper CTA's 227 KB of shared memory and
   have a layout for every operation (both are checked while lowering)."""
   variant, patch = vit.parse_variant(model)
@@ -144,7 +146,8 @@ def test_mlp_kernels_lower_for_hopper_at_model_sizes(model):
   args = (s((32, tokens, variant.width), jnp.bfloat16),     # 32 x 196 = 49 x 128 rows
           s((variant.width, variant.mlp_dim), jnp.float32), s((variant.mlp_dim,), jnp.float32),
           s((variant.mlp_dim, variant.width), jnp.float32), s((variant.width,), jnp.float32))
-  kernels = hm.MlpKernels(hm.Tiling(ctas=132), hm.Tiling(ctas=132))
+  tiling = hm.Tiling(ctas=132, ordered=ordered)
+  kernels = hm.MlpKernels(tiling, tiling)
 
   def loss(*a):
     return jnp.sum(hm.mlp(*a, kernels, False).astype(jnp.float32))
@@ -227,5 +230,8 @@ def test_mlp_kernel_bench_parses_tilings():
   assert mlp_kernel_bench.parse_tiling("64x256x32x6") == hm.Tiling(
       tile_m=64, tile_n=256, tile_k=32, stages=6)
   assert mlp_kernel_bench.parse_tiling("128x128x64x4x32").epi == 32
+  assert mlp_kernel_bench.parse_tiling("128x128x64x4o") == hm.Tiling(ordered=True)
+  with pytest.raises(argparse.ArgumentTypeError, match="MxNxKxSTAGES"):
+    mlp_kernel_bench.parse_tiling("128x128x64xo4")
   with pytest.raises(argparse.ArgumentTypeError, match="MxNxKxSTAGES"):
     mlp_kernel_bench.parse_tiling("128x128")

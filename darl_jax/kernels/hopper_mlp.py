@@ -65,6 +65,15 @@ class Tiling:
   tile_n`` output tile at a time; ``stages`` shared-memory slots of A/B
   tiles of depth ``tile_k`` are in flight. ``ctas`` caps the grid (0: one CTA per
   multiprocessor, the persistent layout).
+
+  ``ordered``: the two compute warpgroups take turns at their main loops
+  (each starts its products only once the other has issued all of a
+  tile's), so that one's epilogue always overlaps the other's products.
+  Without it the turns come only from the order in which the ring's slots
+  are filled, which lets the next tile's products start while this one's
+  finish and the two epilogues drift together. Off by default until
+  measured (benchmarks/RESULTS.md, tenth session: the epilogues are not
+  hidden today).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -72,6 +81,7 @@ class Tiling:
   stages: int = 4
   epi: int = 64
   ctas: int = 0
+  ordered: bool = False
 
   def check(self, m: int, n: int, k: int) -> None:
     problems = []
@@ -237,6 +247,8 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
         full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth),  # [consumer, slot]: A, B landed
         empty=plgpu.Barrier(num_arrivals=1, num_barriers=depth),     # slot consumed
         aux_barriers=plgpu.Barrier(num_barriers=2 * n_sub) if has_aux else None,
+        # [wg]: warpgroup wg may start its next main loop (t.ordered)
+        turn=plgpu.Barrier(num_arrivals=1, num_barriers=2) if t.ordered else None,
         bias_barriers=plgpu.Barrier(num_barriers=2) if has_bias else None,
         # [epi, epi] float32 per compute warpgroup: a column-sum accumulator
         # (every row the same) on its way to the output's row of sums.
@@ -245,7 +257,7 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
     def _scope(a_smem, b_smem, aux_smem, out_smem, bias_smem, full, empty, aux_barriers,
-               bias_barriers, sums_smem):
+               turn, bias_barriers, sums_smem):
 
       def producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -326,6 +338,12 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
           def _acc(acc_ref):
+            j = wg + 2 * q   # this tile's index among the CTA's
+            if t.ordered:   # the other warpgroup has issued its previous tile's products
+              @pl.when(j > 0)
+              def _():
+                plgpu.barrier_wait(turn.at[wg])
+
             @pl.loop(0, k_iters)
             def _step(kk):
               step = first + kk
@@ -336,6 +354,11 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
               @pl.when(kk > 0)
               def _():
                 plgpu.barrier_arrive(empty.at[(step - 1) % depth])
+
+            if t.ordered:   # the other's turn, if it has a next tile
+              @pl.when(j + 1 < local_tiles)
+              def _():
+                plgpu.barrier_arrive(turn.at[1 - wg])
 
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(empty.at[(first + k_iters - 1) % depth])
