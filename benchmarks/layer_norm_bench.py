@@ -67,9 +67,11 @@ def xla_norm(x, scale, bias):
 
 def fwd_bwd(norm):
   """Forward and the pre-LN backward: cotangents for both ``x`` (the
-  residual) and ``y``."""
-  def run(x, scale, bias, dres, dy):
-    out, vjp = jax.vjp(norm, x, scale, bias)
+  residual) and ``y``. ``norm(*inputs) -> (x, y)``; the jitted function
+  takes ``(*inputs, dres, dy)``."""
+  def run(*args):
+    *inputs, dres, dy = args
+    out, vjp = jax.vjp(norm, *inputs)
     return out[1], vjp((dres, dy.astype(out[1].dtype)))
   return jax.jit(run)
 
@@ -129,18 +131,12 @@ def add_rows(x, scale, bias, dres, dy, iters):
           x, a, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS, interpret)),
   ]
 
-  def run(norm):
-    def f(x, a, s, b, dres, dy):
-      out, vjp = jax.vjp(norm, x, a, s, b)
-      return out[1], vjp((dres, dy.astype(out[1].dtype)))
-    return jax.jit(f)
-
-  ref_y, ref_g = run(added(reference))(x, a, scale, bias, dres, dy)
+  ref_y, ref_g = fwd_bwd(added(reference))(x, a, scale, bias, dres, dy)
   print("| residual add + norm | fwd ms | fwd+bwd ms | err y | err dx, da |")
   print("|---|---|---|---|---|")
   for name, norm in candidates:
     fwd = jax.jit(lambda x, a, s, b, norm=norm: norm(x, a, s, b)[1])
-    both = run(norm)
+    both = fwd_bwd(norm)
     y, g = both(x, a, scale, bias, dres, dy)
     t_fwd = timed(fwd, x, a, scale, bias, iters=iters)
     t_both = timed(both, x, a, scale, bias, dres, dy, iters=iters)
