@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import statistics
 import sys
 import time
@@ -42,18 +43,17 @@ SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 128
 
 def parse_tiling(text: str) -> hopper_mlp.Tiling:
   """``128x128x64x2``: tile_m x tile_n x tile_k x stages (per compute
-  warpgroup), optionally x epi (the epilogue's sub-tile, default 64); a
-  trailing ``o`` sets ``ordered`` (the warpgroups take turns at their main
-  loops): ``128x128x64x4o``."""
-  ordered = text.endswith("o")
-  try:
-    parts = [int(p) for p in text.removesuffix("o").split("x")]
-  except ValueError:
-    parts = []
-  if len(parts) not in (4, 5):
-    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI][o]")
+  warpgroup), optionally x epi (the epilogue's sub-tile, default 64); then
+  optionally ``iN`` (``inflight``: k-steps of products left running) and a
+  trailing ``o`` (``ordered``: the warpgroups take turns at their main
+  loops): ``128x128x64x4o``, ``128x128x64x5i2``."""
+  match = re.fullmatch(r"(\d+(?:x\d+){3,4})(?:i(\d+))?(o?)", text)
+  if not match:
+    raise argparse.ArgumentTypeError(f"tiling {text!r}: want MxNxKxSTAGES[xEPI][iN][o]")
+  parts = [int(p) for p in match.group(1).split("x")]
   names = ("tile_m", "tile_n", "tile_k", "stages", "epi")
-  return hopper_mlp.Tiling(**dict(zip(names, parts)), ordered=ordered)
+  return hopper_mlp.Tiling(**dict(zip(names, parts)), inflight=int(match.group(2) or 1),
+                           ordered=bool(match.group(3)))
 
 
 def timed(f, *args, iters=10, reps=7):
@@ -79,19 +79,51 @@ def _h_and_gelu(acc, bias, _):
   return h, hopper_mlp.kernel_gelu(h.astype(jnp.float32))
 
 
+def _rounded_h_unfolded(acc, bias, _):
+  """The forward epilogue of the tenth session: h rounded to bf16 before the
+  GELU (as the XLA MLP's fc1 output is), the constants not folded."""
+  h = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
+  h = h.astype(jnp.float32)
+  z = jnp.abs(h) * 2.0 ** -0.5
+  r = jax.lax.rsqrt(1.0 + hopper_mlp._AS_P * z)
+  t = r * r
+  poly = hopper_mlp._AS_A[4]
+  for a in hopper_mlp._AS_A[3::-1]:
+    poly = a + t * poly
+  e = jnp.exp2(h * h * (-0.5 * hopper_mlp._LOG2E))
+  half_tail = (0.5 * t) * poly * e
+  cdf = jnp.where(h >= 0, 1.0 - half_tail, half_tail)
+  return h * cdf, cdf + h * (e * hopper_mlp._INV_SQRT_2PI)
+
+
 def _times_gelu_grad(acc, _, h):
   """The backward epilogue's earlier form: the derivative evaluated from h."""
   return (acc * hopper_mlp.kernel_gelu_grad(h),)
 
 
-def epilogue_study(x, w, b, h, tiling):
-  """The forward / backward kernel with parts of its epilogue left out."""
+def epilogue_study(x, w, b, h, tiling, reference=False):
+  """The forward / backward kernel with parts of its epilogue left out or
+  doubled; ``reference``: also jax's own Hopper matmul example."""
   def erf_gelu(acc, bias, _):
     hh = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
     return hh, vit.gelu_exact(hh.astype(jnp.float32))
 
+  def gelu_only(acc, bias, _):
+    return (hopper_mlp.kernel_gelu(acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])),)
+
+  def gelu_twice(acc, bias, _):
+    return (hopper_mlp.kernel_gelu(gelu_only(acc, bias, _)[0]),)
+
+  # If the epilogue ran under the other warpgroup's products, its arithmetic
+  # would cost nothing until it outlasts them: "GELU twice" would cost what
+  # "GELU, one output" does. If it is serialised with them, twice as much.
   cases = [
       ("product only (one output)", dict(epilogue=lambda acc, *_: (acc,), num_out=1)),
+      ("+ bias + GELU, one output", dict(bias=b, num_out=1, epilogue=gelu_only)),
+      ("+ bias + GELU twice (chained), one output", dict(bias=b, num_out=1,
+                                                         epilogue=gelu_twice)),
+      ("+ bias + (g, gelu'), two outputs: dense_gelu", dict(
+          bias=b, num_out=2, epilogue=hopper_mlp._fwd_epilogue)),
       ("+ bias, stored twice", dict(bias=b, num_out=2, epilogue=lambda acc, bias, _: (
           acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1]),) * 2)),
       ("+ bias + GELU (lax.erf)", dict(bias=b, num_out=2, epilogue=erf_gelu)),
@@ -105,6 +137,8 @@ def epilogue_study(x, w, b, h, tiling):
       rows.append((f"study: {name}", timed(fn, x, w), str(tiling)))
     except Exception as e:  # noqa: BLE001
       rows.append((f"study: {name}", float("nan"), f"failed: {str(e).splitlines()[0][:160]}"))
+  if not reference:
+    return rows
   try:   # jax's own Hopper matmul example, as a second Mosaic GPU reference
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as ref_mm
     dims = ref_mm.MatmulDimension
@@ -124,12 +158,96 @@ def epilogue_study(x, w, b, h, tiling):
   return rows
 
 
+def _intervals(trace_file):
+  """{(cta, warpgroup): {region: [(start, end), ...]}} from a kernel trace
+  (hopper_mlp._gemm's trace_dir; times in SM clock cycles)."""
+  import collections
+  import json
+  with open(trace_file) as f:
+    events = json.load(f)["traceEvents"]
+  open_at, spans = {}, collections.defaultdict(lambda: collections.defaultdict(list))
+  for e in events:
+    key = divmod(e["tid"] - 1, 3)   # (CTA, warpgroup): 3 warpgroups per CTA
+    if e["ph"] == "B":
+      open_at[key, e["name"]] = e["ts"] * 1e3
+    else:
+      spans[key][e["name"]].append((open_at.pop((key, e["name"])), e["ts"] * 1e3))
+  return spans
+
+
+def overlap_summary(trace_file):
+  """How the two compute warpgroups' regions line up, over all CTAs: the
+  median main loop and epilogue, the share of each epilogue during which
+  the other warpgroup was in its main loop, and the share of the CTA's time
+  with neither in a main loop (the tensor cores waiting on the epilogues)."""
+  spans = _intervals(trace_file)
+  ctas = sorted({cta for cta, _ in spans})
+
+  def covered(a, b, intervals):   # length of [a, b) inside the union of intervals
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in intervals)
+
+  mains, epis, hidden, idle = [], [], [], []
+  for cta in ctas:
+    loops = [spans[cta, w]["mainloop"] for w in (0, 1)]
+    for w in (0, 1):
+      mains += [e - s for s, e in loops[w]]
+      for s, e in spans[cta, w]["epilogue"]:
+        epis.append(e - s)
+        hidden.append(covered(s, e, loops[1 - w]) / max(e - s, 1.0))
+    everything = [iv for w in (0, 1) for region in spans[cta, w].values() for iv in region]
+    start, end = min(s for s, _ in everything), max(e for _, e in everything)
+    busy = sorted(loops[0] + loops[1])
+    union, cur_s, cur_e = 0.0, None, None
+    for s, e in busy:
+      if cur_e is None or s > cur_e:
+        union += (cur_e - cur_s) if cur_e is not None else 0.0
+        cur_s, cur_e = s, e
+      else:
+        cur_e = max(cur_e, e)
+    union += (cur_e - cur_s) if cur_e is not None else 0.0
+    idle.append(1.0 - union / (end - start))
+  med = statistics.median
+  return (f"{len(ctas)} CTAs; cycles per tile: main loop {med(mains):.0f}, epilogue "
+          f"{med(epis):.0f}; epilogue under the other's main loop {100 * med(hidden):.0f}% "
+          f"(median); no main loop running {100 * statistics.mean(idle):.1f}% of the time")
+
+
+def trace_kernels(folder, x, w, b, dy, wt, scale, tiling):
+  """Run the forward, a product-only and the backward kernel once each with
+  the on-device trace, and summarise each (``overlap_summary``)."""
+  import glob
+  cases = {
+      "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2,
+                                    epilogue=hopper_mlp._fwd_epilogue),
+      "tenth session's dense_gelu": dict(a=x, b=w, bias=b, num_out=2,
+                                         epilogue=_rounded_h_unfolded),
+      "product only": dict(a=x, b=w, num_out=1, epilogue=lambda acc, *_: (acc,)),
+      "matmul_scaled (no column sums)": dict(a=dy, b=wt, aux=scale, num_out=1,
+                                             epilogue=hopper_mlp._scale_epilogue),
+  }
+  lines = []
+  for i, (name, kw) in enumerate(cases.items()):
+    out = os.path.join(folder, f"kernel{i}")
+    os.makedirs(out, exist_ok=True)
+    fn = jax.jit(lambda kw=kw, out=out: hopper_mlp._gemm(tiling=tiling, trace_dir=out, **kw))
+    jax.block_until_ready(fn())
+    jax.effects_barrier()
+    files = sorted(glob.glob(os.path.join(out, "*-trace.json")))
+    lines.append(f"trace, {name}: " + (overlap_summary(files[-1]) if files else "no trace written"))
+  return lines
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", default="L/16:256", help="model:batch, model from "
                       f"{', '.join(SHAPES)}")
   parser.add_argument("--study", action="store_true",
                       help="also time the kernel with simpler epilogues (what each part costs)")
+  parser.add_argument("--study_reference", action="store_true",
+                      help="with --study: also time jax's hopper_matmul_mgpu example (27 configs)")
+  parser.add_argument("--trace", default="",
+                      help="also record the kernels' main loops and epilogues on the device "
+                      "(per warpgroup) into this folder and summarise how they overlap")
   parser.add_argument("--profile", default="",
                       help="also trace both MLP versions into this folder and print their kernels")
   parser.add_argument("--tilings", default="128x128x64x2,128x128x32x4",
@@ -181,6 +299,10 @@ def main():
     kernel_row(f"dense_gelu -> (g, gelu'(h)) {t}",
                jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t)),
                (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
+  kernel_row(f"tenth session's form: h rounded first, constants unfolded {tilings[0]}",
+             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_rounded_h_unfolded,
+                                                      num_out=2, tiling=tilings[0])),
+             (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
   kernel_row(f"earlier form -> (h, g) {tilings[0]}",
              jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_h_and_gelu,
                                                       num_out=2, tiling=tilings[0])),
@@ -206,8 +328,11 @@ def main():
                                                         num_out=1, tiling=tilings[0])[0]),
              (dy, w2tb, h_ref), lambda o: f"dh {rel_err(o, dh_ref):.1e}")
 
+  if args.trace:
+    for line in trace_kernels(args.trace, x, w1b, b1, dy, w2tb, dg_ref.astype(bf), tilings[0]):
+      print(line, flush=True)
   if args.study:
-    rows += epilogue_study(x, w1b, b1, h_ref, tilings[0])
+    rows += epilogue_study(x, w1b, b1, h_ref, tilings[0], args.study_reference)
 
   mlp_xla = vit.Mlp(f, dtype=bf)
   params = {"fc1": {"kernel": w1, "bias": b1}, "fc2": {"kernel": w2, "bias": b2}}

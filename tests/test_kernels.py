@@ -32,10 +32,10 @@ def test_kernel_gelu_is_the_exact_gelu():
   x = jnp.linspace(-12.0, 12.0, 100_001, dtype=jnp.float32)
   np.testing.assert_allclose(hm.kernel_gelu(x), vit.gelu_exact(x), rtol=0, atol=2e-6)
   np.testing.assert_allclose(hm.kernel_gelu_grad(x), _gelu_grad(x), rtol=0, atol=2e-6)
-  # Far in the negative tail the kernel form keeps its relative accuracy
-  # (no 1 + erf cancellation): Phi(-8) = 6.2e-16.
+  # Far in the negative tail the kernel form keeps a relative accuracy (no
+  # 1 + erf cancellation), the approximation's own 1% there: Phi(-8) = 6.2e-16.
   tail = float(hm.kernel_gelu(jnp.float32(-8.0)))
-  assert tail == pytest.approx(-8.0 * 0.5 * math.erfc(8.0 / math.sqrt(2.0)), rel=1e-5)
+  assert tail == pytest.approx(-8.0 * 0.5 * math.erfc(8.0 / math.sqrt(2.0)), rel=0.02, abs=0)
 
 
 def test_dense_gelu_matches_xla():
@@ -45,23 +45,24 @@ def test_dense_gelu_matches_xla():
   b = _rand(ks[2], (N,), 0.5)
   g, dg = hm.dense_gelu(x, w, b, tiling=SMALL, interpret=True)
   assert g.shape == dg.shape == (M, N) and g.dtype == dg.dtype == jnp.bfloat16
-  # The pre-activation as the XLA MLP holds it: float32 product, bf16 result.
-  h = (x.astype(jnp.float32) @ w.astype(jnp.float32) + b).astype(jnp.bfloat16)
-  h = h.astype(jnp.float32)
+  # The kernel takes the GELU of the float32 pre-activation (not rounded to
+  # bf16 first, as the XLA MLP's fc1 output is).
+  h = x.astype(jnp.float32) @ w.astype(jnp.float32) + b
   for got, want in ((g, vit.gelu_exact(h)), (dg, _gelu_grad(h))):
     got, want = np.asarray(got, np.float32), np.asarray(want)
-    # Every element compared, so an unwritten tile fails. Where the two
-    # summation orders round h to neighbouring bf16 values (one ulp, up to
-    # 2^-8 |h|) the results differ by that much; everywhere else by one
-    # rounding of the result.
-    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(h).max())
-    assert np.mean(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-6) > 0.99
+    # Every element compared, so an unwritten tile fails: one bf16 rounding
+    # of the result (2^-9 relative), plus the summation order's and the
+    # GELU approximation's few float32 ulps.
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-5)
 
 
 @pytest.mark.parametrize("tiling", [SMALL, hm.Tiling(tile_m=128, tile_n=128, tile_k=64, stages=2),
                                     hm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2,
-                                              ctas=3, ordered=True)],
-                         ids=["one_row_of_subtiles", "two_rows_of_subtiles", "ordered"])
+                                              ctas=3, ordered=True),
+                                    hm.Tiling(tile_m=64, tile_n=64, tile_k=32, stages=3,
+                                              inflight=2)],
+                         ids=["one_row_of_subtiles", "two_rows_of_subtiles", "ordered",
+                              "two_steps_in_flight"])
 def test_matmul_scaled_matches_xla(tiling):
   ks = jax.random.split(jax.random.key(1), 3)
   dy = _rand(ks[0], (M, K), 1.0, jnp.bfloat16)
@@ -134,10 +135,15 @@ def test_tiling_names_the_fix_for_shapes_it_cannot_divide():
     hm.Tiling().check(100, 4096, 1024)
   with pytest.raises(ValueError, match="columns 4000"):
     hm.Tiling().check(128, 4000, 1024)
+  with pytest.raises(ValueError, match="inflight=4 products in flight with 4 slots"):
+    hm.Tiling(inflight=4).check(128, 4096, 1024)
+  with pytest.raises(ValueError, match="inflight=2 .* and 1 k-steps"):
+    hm.Tiling(inflight=2).check(128, 4096, 64)
 
 
-@pytest.mark.parametrize("model,ordered", [("L/16", False), ("H/14", False), ("L/16", True)])
-def test_mlp_kernels_lower_for_hopper_at_model_sizes(model, ordered):
+@pytest.mark.parametrize("model,ordered,inflight", [("L/16", False, 1), ("H/14", False, 1),
+                                                    ("L/16", True, 2)])
+def test_mlp_kernels_lower_for_hopper_at_model_sizes(model, ordered, inflight):
   """The training MLP's kernels fit a Hopper CTA's 227 KB of shared memory and
   have a layout for every operation (both are checked while lowering)."""
   variant, patch = vit.parse_variant(model)
@@ -146,7 +152,7 @@ def test_mlp_kernels_lower_for_hopper_at_model_sizes(model, ordered):
   args = (s((32, tokens, variant.width), jnp.bfloat16),     # 32 x 196 = 49 x 128 rows
           s((variant.width, variant.mlp_dim), jnp.float32), s((variant.mlp_dim,), jnp.float32),
           s((variant.mlp_dim, variant.width), jnp.float32), s((variant.width,), jnp.float32))
-  tiling = hm.Tiling(ctas=132, ordered=ordered)
+  tiling = hm.Tiling(ctas=132, ordered=ordered, inflight=inflight)
   kernels = hm.MlpKernels(tiling, tiling)
 
   def loss(*a):
@@ -231,7 +237,38 @@ def test_mlp_kernel_bench_parses_tilings():
       tile_m=64, tile_n=256, tile_k=32, stages=6)
   assert mlp_kernel_bench.parse_tiling("128x128x64x4x32").epi == 32
   assert mlp_kernel_bench.parse_tiling("128x128x64x4o") == hm.Tiling(ordered=True)
+  assert mlp_kernel_bench.parse_tiling("128x128x64x5i2o") == hm.Tiling(
+      stages=5, inflight=2, ordered=True)
   with pytest.raises(argparse.ArgumentTypeError, match="MxNxKxSTAGES"):
     mlp_kernel_bench.parse_tiling("128x128x64xo4")
   with pytest.raises(argparse.ArgumentTypeError, match="MxNxKxSTAGES"):
     mlp_kernel_bench.parse_tiling("128x128")
+
+
+def test_kernel_trace_summary_counts_overlap_and_idle_time(tmp_path):
+  """mlp_kernel_bench's reading of a kernel trace (hopper_mlp._gemm's
+  trace_dir), on a hand-made one: in CTA 0 warpgroup 0 runs its main loop
+  over [0, 100) and [220, 300), its epilogues over [100, 140) and [300, 320);
+  warpgroup 1 its main loop over [100, 200) and its epilogue over [200, 250).
+  Warpgroup 2 (the producer) records nothing."""
+  import json
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+  import mlp_kernel_bench
+
+  events = []
+  for tid, name, start, end in [(1, "mainloop", 0, 100), (1, "epilogue", 100, 140),
+                                (2, "mainloop", 100, 200), (2, "epilogue", 200, 250),
+                                (1, "mainloop", 220, 300), (1, "epilogue", 300, 320)]:
+    events += [{"name": name, "ph": "B", "ts": start / 1e3, "pid": 1, "tid": tid},
+               {"name": name, "ph": "E", "ts": end / 1e3, "pid": 1, "tid": tid}]
+  trace = tmp_path / "trace.json"
+  trace.write_text(json.dumps({"traceEvents": events}))
+  summary = mlp_kernel_bench.overlap_summary(str(trace))
+  # Epilogues under the other's main loop: 40/40, 0/20, 30/50 -> median 60%.
+  # Main loops (median of 100, 80, 100) and epilogues (40, 20, 50).
+  # No main loop in [200, 220) and [300, 320): 40 of 320 cycles.
+  assert summary == ("1 CTAs; cycles per tile: main loop 100, epilogue 40; epilogue under "
+                     "the other's main loop 60% (median); no main loop running 12.5% of "
+                     "the time")

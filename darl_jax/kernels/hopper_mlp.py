@@ -74,6 +74,11 @@ class Tiling:
   finish and the two epilogues drift together. Off by default until
   measured (benchmarks/RESULTS.md, tenth session: the epilogues are not
   hidden today).
+
+  ``inflight``: how many k-steps' products a compute warpgroup leaves
+  running when it moves on to the next step (``wgmma_wait(inflight)``);
+  a slot is released only once its products are done, so the ring's
+  look-ahead shrinks by the same number of slots.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -82,6 +87,7 @@ class Tiling:
   epi: int = 64
   ctas: int = 0
   ordered: bool = False
+  inflight: int = 1
 
   def check(self, m: int, n: int, k: int) -> None:
     problems = []
@@ -91,6 +97,9 @@ class Tiling:
       problems.append(f"columns {n} by tile_n={self.tile_n}")
     if k % self.tile_k:
       problems.append(f"the inner dimension {k} by tile_k={self.tile_k}")
+    if not 1 <= self.inflight < min(self.stages, k // self.tile_k + 1):
+      problems.append(f"inflight={self.inflight} products in flight with {self.stages} "
+                      f"slots and {k // self.tile_k} k-steps (want 1 <= inflight < both)")
     if self.tile_m % self.epi or self.tile_n % self.epi:
       problems.append(f"tile {self.tile_m}x{self.tile_n} by epi={self.epi}")
     if problems:
@@ -116,28 +125,41 @@ DEFAULT_KERNELS = MlpKernels()
 
 # erfc(z) ~= t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z), z >= 0:
 # Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7. Mosaic GPU (jax
-# 0.10 and 0.11) has no layout rule for erf, and the epilogue's arithmetic
-# shares the multiprocessor with the other warpgroup's products, so this
-# form is built from the cheapest operations: 1 / (1 + p z) as rsqrt(.)^2
-# (its argument is >= 1) and exp as exp2, each one hardware approximation
-# under approx_math. Taking Phi(x) = erfc(-x / sqrt 2) / 2 from it also
-# avoids 1 + erf(x)'s cancellation in the far negative tail.
+# 0.10 and 0.11) has no layout rule for erf; this form is built from the
+# cheapest operations: 1 / (1 + p z) as rsqrt(.)^2 (its argument is >= 1)
+# and exp as exp2, each one hardware approximation under approx_math.
+# Taking Phi(x) = erfc(-x / sqrt 2) / 2 from it also avoids 1 + erf(x)'s
+# cancellation in the far negative tail.
+#
+# The epilogue is throughput-bound (its trace, benchmarks/RESULTS.md,
+# eleventh session: 10k cycles per tile against the products' 8k), and its
+# scarce resource is the quarter-rate pipe that the two special functions
+# and the float -> bf16 conversions share. So every constant is folded into
+# another operation: with u = |x| sqrt(log2(e) / 2), exp(-x^2 / 2) / sqrt(2 pi)
+# is exp2(log2(1 / sqrt(2 pi)) - u^2), one fused multiply-add into exp2,
+# which gives phi(x) itself; p z is p' u; and the 1 / 2 of Phi(-|x|) = erfc /
+# 2 and the sqrt(2 pi) that phi carries go into the coefficients a_i.
 _AS_P = 0.3275911
 _AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 _LOG2E = math.log2(math.e)
+_U = math.sqrt(0.5 * _LOG2E)                    # u = |x| * _U, u^2 = x^2 log2(e) / 2
+_P_U = _AS_P * _SQRT_HALF / _U                  # p z = _P_U u
+_LOG2_INV_SQRT_2PI = math.log2(_INV_SQRT_2PI)
+_A_PHI = tuple(a * 0.5 / _INV_SQRT_2PI for a in _AS_A)   # Phi(-|x|) = t poly(t) phi(x)
 
 
 def _cdf_pdf(x):
-  """(Phi(x), phi(x)) of the standard normal, float32."""
-  z = jnp.abs(x) * _SQRT_HALF
-  r = lax.rsqrt(1.0 + _AS_P * z)
+  """(Phi(x), phi(x)) of the standard normal, float32: 2 special functions
+  and 11 other operations."""
+  u = jnp.abs(x) * _U
+  r = lax.rsqrt(1.0 + _P_U * u)
   t = r * r
-  poly = _AS_A[4]
-  for a in _AS_A[3::-1]:
+  poly = _A_PHI[4]
+  for a in _A_PHI[3::-1]:
     poly = a + t * poly
-  e = jnp.exp2(x * x * (-0.5 * _LOG2E))          # exp(-x^2 / 2)
-  half_tail = (0.5 * t) * poly * e               # Phi(-|x|)
-  return jnp.where(x >= 0, 1.0 - half_tail, half_tail), e * _INV_SQRT_2PI
+  pdf = jnp.exp2(_LOG2_INV_SQRT_2PI - u * u)
+  tail = t * poly * pdf                          # Phi(-|x|)
+  return jnp.where(x >= 0, 1.0 - tail, tail), pdf
 
 
 def kernel_gelu(x):
@@ -161,7 +183,8 @@ def _num_ctas(tiles: int, tiling: Tiling, interpret: bool) -> int:
 
 
 def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
-          col_sums: bool = False, tiling: Tiling = DEFAULT_TILING, interpret: bool = False):
+          col_sums: bool = False, tiling: Tiling = DEFAULT_TILING, interpret: bool = False,
+          trace_dir: str = ""):
   """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
 
   ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
@@ -191,6 +214,11 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   cores idle) overlaps the other's products. Each slot's "landed" barrier
   exists once per compute warpgroup, so every barrier has a single waiter
   that sees all of its phases (barrier_wait tracks phases per thread).
+
+  ``trace_dir`` (GPU only; benchmarks/mlp_kernel_bench.py ``--trace``):
+  record when each warpgroup enters and leaves its "mainloop" and
+  "epilogue" regions (Mosaic GPU's on-device profiler, SM clock cycles) and
+  write them there as a Chrome trace, one file per call.
   """
   t = tiling
   (m, k), n = a.shape, b.shape[1]
@@ -344,54 +372,58 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
               def _():
                 plgpu.barrier_wait(turn.at[wg])
 
-            @pl.loop(0, k_iters)
-            def _step(kk):
-              step = first + kk
-              plgpu.barrier_wait(full.at[wg * depth + step % depth])
-              plgpu.wgmma(acc_ref, a_smem.at[step % depth], b_smem.at[step % depth])
-              plgpu.wgmma_wait(1)   # the previous step's product is done: free its slot
+            with jax.named_scope("mainloop"):
+              @pl.loop(0, k_iters)
+              def _step(kk):
+                step = first + kk
+                plgpu.barrier_wait(full.at[wg * depth + step % depth])
+                plgpu.wgmma(acc_ref, a_smem.at[step % depth], b_smem.at[step % depth])
+                # The product t.inflight steps back is done: free its slot.
+                plgpu.wgmma_wait(t.inflight)
 
-              @pl.when(kk > 0)
-              def _():
-                plgpu.barrier_arrive(empty.at[(step - 1) % depth])
+                @pl.when(kk >= t.inflight)
+                def _():
+                  plgpu.barrier_arrive(empty.at[(step - t.inflight) % depth])
 
             if t.ordered:   # the other's turn, if it has a next tile
               @pl.when(j + 1 < local_tiles)
               def _():
                 plgpu.barrier_arrive(turn.at[1 - wg])
 
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[(first + k_iters - 1) % depth])
-            acc = acc_ref[...]
+            with jax.named_scope("epilogue"):
+              plgpu.wgmma_wait(0)
+              for r in range(t.inflight, 0, -1):
+                plgpu.barrier_arrive(empty.at[(first + k_iters - r) % depth])
+              acc = acc_ref[...]
 
-            if has_bias:
-              plgpu.barrier_wait(bias_barriers.at[wg])
-            for s, (i, j) in enumerate(subtiles):
-              tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
-              bias_tile = aux_tile = None
               if has_bias:
-                bias_tile = as_layout(bias_smem[wg, pl.ds(j * t.epi, t.epi)],
-                                      plgpu.Layout.WGMMA.reduce(0))
-              if has_aux:
-                plgpu.barrier_wait(aux_barriers.at[wg * n_sub + s])
-                aux_tile = as_layout(aux_smem[wg, s], plgpu.Layout.WGMMA).astype(jnp.float32)
-              results = epilogue(tile, bias_tile, aux_tile)
-              if in_place:
-                aux_smem[wg, s] = results[0].astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
-                if col_sums and i == rows_per_col - 1:   # this column of sub-tiles is stored
-                  column_sums(row // tm, col + j * t.epi,
-                              [aux_smem.at[wg, s - r] for r in range(rows_per_col)])
-              else:
-                slot = s % 2
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last stores
-                for o, r in enumerate(results):
-                  out_smem[wg, slot, o] = r.astype(dtype)
-                plgpu.commit_smem()
-                for o in range(num_out):
-                  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot, o], sub(outs[o], i, j),
-                                          commit_group=o == num_out - 1)
+                plgpu.barrier_wait(bias_barriers.at[wg])
+              for s, (i, j) in enumerate(subtiles):
+                tile = acc[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
+                bias_tile = aux_tile = None
+                if has_bias:
+                  bias_tile = as_layout(bias_smem[wg, pl.ds(j * t.epi, t.epi)],
+                                        plgpu.Layout.WGMMA.reduce(0))
+                if has_aux:
+                  plgpu.barrier_wait(aux_barriers.at[wg * n_sub + s])
+                  aux_tile = as_layout(aux_smem[wg, s], plgpu.Layout.WGMMA).astype(jnp.float32)
+                results = epilogue(tile, bias_tile, aux_tile)
+                if in_place:
+                  aux_smem[wg, s] = results[0].astype(dtype)
+                  plgpu.commit_smem()
+                  plgpu.copy_smem_to_gmem(aux_smem.at[wg, s], sub(outs[0], i, j))
+                  if col_sums and i == rows_per_col - 1:   # this column of sub-tiles is stored
+                    column_sums(row // tm, col + j * t.epi,
+                                [aux_smem.at[wg, s - r] for r in range(rows_per_col)])
+                else:
+                  slot = s % 2
+                  plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # this slot's last stores
+                  for o, r in enumerate(results):
+                    out_smem[wg, slot, o] = r.astype(dtype)
+                  plgpu.commit_smem()
+                  for o in range(num_out):
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot, o], sub(outs[o], i, j),
+                                            commit_group=o == num_out - 1)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -407,14 +439,20 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
       out_type=tuple(out_type),
       grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+          # two regions per tile, a CTA's tiles split between two warpgroups
+          **(dict(profile_space=2 * (tiles // ctas + 2), profile_dir=trace_dir)
+             if trace_dir else {})),
       interpret=interpret_params(interpret))
   return kernel(*inputs)
 
 
 def _fwd_epilogue(acc, bias, _):
-  # h is rounded to bf16 first, as the XLA MLP's fc1 output is.
-  h = (acc + lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16).astype(jnp.float32)
+  # The GELU of the float32 pre-activation. (The XLA MLP rounds h to bf16
+  # first, as its fc1 output; doing that here cost two conversions per
+  # element on the epilogue's scarcest pipe, benchmarks/RESULTS.md, eleventh
+  # session, for a result one rounding further from the float32 MLP.)
+  h = acc + lax.broadcast_in_dim(bias, acc.shape, [1])
   cdf, pdf = _cdf_pdf(h)
   return h * cdf, cdf + h * pdf
 
