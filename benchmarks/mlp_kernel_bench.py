@@ -21,6 +21,7 @@ Times are medians over repeats of back-to-back launches.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -123,7 +124,8 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
       ("+ bias + GELU twice (chained), one output", dict(bias=b, num_out=1,
                                                          epilogue=gelu_twice)),
       ("+ bias + (g, gelu'), two outputs: dense_gelu", dict(
-          bias=b, num_out=2, epilogue=hopper_mlp._fwd_epilogue)),
+          bias=b, num_out=2, epilogue=functools.partial(hopper_mlp._fwd_epilogue,
+                                                        rsqrt=hopper_mlp._rsqrt_ftz))),
       ("+ bias, stored twice", dict(bias=b, num_out=2, epilogue=lambda acc, bias, _: (
           acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1]),) * 2)),
       ("+ bias + GELU (lax.erf)", dict(bias=b, num_out=2, epilogue=erf_gelu)),
@@ -217,8 +219,8 @@ def trace_kernels(folder, x, w, b, dy, wt, scale, tiling):
   the on-device trace, and summarise each (``overlap_summary``)."""
   import glob
   cases = {
-      "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2,
-                                    epilogue=hopper_mlp._fwd_epilogue),
+      "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2, epilogue=functools.partial(
+          hopper_mlp._fwd_epilogue, rsqrt=hopper_mlp._rsqrt_ftz)),
       "tenth session's dense_gelu": dict(a=x, b=w, bias=b, num_out=2,
                                          epilogue=_rounded_h_unfolded),
       "product only": dict(a=x, b=w, num_out=1, epilogue=lambda acc, *_: (acc,)),
@@ -299,6 +301,10 @@ def main():
     kernel_row(f"dense_gelu -> (g, gelu'(h)) {t}",
                jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t)),
                (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
+  kernel_row(f"dense_gelu with Mosaic's rsqrt (not flush-to-zero) {tilings[0]}",
+             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=hopper_mlp._fwd_epilogue,
+                                                      num_out=2, tiling=tilings[0])),
+             (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
   kernel_row(f"tenth session's form: h rounded first, constants unfolded {tilings[0]}",
              jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_rounded_h_unfolded,
                                                       num_out=2, tiling=tilings[0])),

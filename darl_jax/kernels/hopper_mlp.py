@@ -148,11 +148,27 @@ _LOG2_INV_SQRT_2PI = math.log2(_INV_SQRT_2PI)
 _A_PHI = tuple(a * 0.5 / _INV_SQRT_2PI for a in _AS_A)   # Phi(-|x|) = t poly(t) phi(x)
 
 
-def _cdf_pdf(x):
+def _rsqrt_ftz(x):
+  """rsqrt of a float32 array in the WGMMA layout, inside a Mosaic GPU
+  kernel, as the flush-to-zero form of the hardware approximation. Mosaic
+  emits ``rsqrt.approx.f32``, which ptxas brackets with a test and two
+  rescales for denormal inputs; _cdf_pdf's argument is >= 1, so those are
+  wasted on the epilogue's busiest pipes. (Goes through FragmentedArray's
+  private pointwise helpers: jax 0.10-0.11 have no public way to pick the
+  instruction; tests/test_kernels.py lowers it.)"""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
+                                                        plgpu.Layout.WGMMA))
+  def ftz(_, a):
+    return a._pointwise(a._lift_fast_instr("rsqrt.approx.ftz.f32"))
+  return ftz(x)
+
+
+def _cdf_pdf(x, rsqrt=lax.rsqrt):
   """(Phi(x), phi(x)) of the standard normal, float32: 2 special functions
   and 11 other operations."""
   u = jnp.abs(x) * _U
-  r = lax.rsqrt(1.0 + _P_U * u)
+  r = rsqrt(1.0 + _P_U * u)
   t = r * r
   poly = _A_PHI[4]
   for a in _A_PHI[3::-1]:
@@ -447,13 +463,13 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   return kernel(*inputs)
 
 
-def _fwd_epilogue(acc, bias, _):
+def _fwd_epilogue(acc, bias, _, rsqrt=lax.rsqrt):
   # The GELU of the float32 pre-activation. (The XLA MLP rounds h to bf16
   # first, as its fc1 output; doing that here cost two conversions per
   # element on the epilogue's scarcest pipe, benchmarks/RESULTS.md, eleventh
   # session, for a result one rounding further from the float32 MLP.)
   h = acc + lax.broadcast_in_dim(bias, acc.shape, [1])
-  cdf, pdf = _cdf_pdf(h)
+  cdf, pdf = _cdf_pdf(h, rsqrt)
   return h * cdf, cdf + h * pdf
 
 
@@ -473,7 +489,8 @@ def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = Fa
   XLA MLP evaluates it in float32 from the bf16 ``h``; the backward's result
   moves by less than one bf16 ulp. x, w bf16, b any float.
   """
-  return _gemm(x, w, bias=b.astype(jnp.float32), epilogue=_fwd_epilogue, num_out=2,
+  epilogue = functools.partial(_fwd_epilogue, rsqrt=lax.rsqrt if interpret else _rsqrt_ftz)
+  return _gemm(x, w, bias=b.astype(jnp.float32), epilogue=epilogue, num_out=2,
                tiling=tiling, interpret=interpret)
 
 
