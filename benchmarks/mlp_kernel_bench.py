@@ -16,6 +16,13 @@ bf16), then times:
 - the whole MLP, forward and backward (weight gradients and bias sums
   included), as models.vit.Mlp and as hopper_mlp.mlp.
 Times are medians over repeats of back-to-back launches.
+
+``--trace=DIR`` also runs the forward (this and the tenth session's
+epilogue), a product-only and the backward kernel once each with Mosaic
+GPU's on-device profiler, and prints per kernel the median cycles per tile
+of a warpgroup's main loop and epilogue, how much of each epilogue ran
+under the other warpgroup's main loop, and how long neither ran one.
+``--study`` times the kernel with parts of its epilogue left out or doubled.
 """
 
 from __future__ import annotations

@@ -33,8 +33,12 @@ def test_pretrain_benchmark_target_status():
   assert bench.target_status(row("B/16 mse", 0.39, 1.0), None).startswith("not met")
   # L/16 needs both the MFU and 1.2x the fastest timm row.
   assert bench.target_status(row("L/16 mse", 0.51, 1300), 1000).startswith("met")
-  assert bench.target_status(row("L/16 mse", 0.51, 1100), 1000).startswith("not met")
-  assert bench.target_status(row("L/16 mse", 0.45, 1300), 1000).startswith("not met")
+  assert bench.target_status(row("L/16 mse", 0.51, 1100), 1000) == (
+      "not met: >= 1.2x timm; met: MFU >= 0.5")
+  assert bench.target_status(row("L/16 mse", 0.4996, 1300), 1000) == (
+      "not met: MFU >= 0.5; met: >= 1.2x timm")
+  assert bench.target_status(row("L/16 mse", 0.45, 1100), 1000) == (
+      "not met: MFU >= 0.5, >= 1.2x timm")
   assert bench.target_status(row("mu/16 mse", 0.1, 1.0), None) == ""
 
 

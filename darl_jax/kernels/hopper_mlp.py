@@ -31,12 +31,17 @@ GPU; elsewhere they run in Pallas's GPU interpret mode (slow, for tests;
 tests/test_kernels.py).
 
 Use: ``model.mlp_impl='hopper'`` (models/vit.py). Measured on an H200 with
-jax 0.11.2 (benchmarks/RESULTS.md, "fifth" and "tenth session"): at the
-ViT-L/16 shape (batch 256), the forward 0.75 ms against XLA's 0.98, the
-backward with the bias sum 0.71 ms against 1.01 + the sum; at ViT-H/14's
-(batch 192) 1.14 / 1.04 ms against 1.37 / 1.45. Their epilogues are not
-fully hidden behind the other warpgroup's products: the forward costs
-about a third more than cuBLAS's plain product of the same shape.
+jax 0.11.2 (benchmarks/RESULTS.md, "fifth", "tenth" and "eleventh
+session"): at the ViT-L/16 shape (batch 256), the forward 0.705 ms against
+XLA's 0.98 and cuBLAS's plain product's 0.55, the backward with the bias
+sum 0.70 ms against 1.03 + the sum; at ViT-H/14's (batch 192) 1.02 / 1.05 ms
+against 1.40 / 1.47. The forward's epilogue (the GELU) is not hidden behind
+the other warpgroup's products: an on-device trace of the kernel
+(``trace_dir``) shows the tensor cores always fed, but the products run
+slower while the other warpgroup's arithmetic runs, and at L/16 the
+epilogue (8.6k cycles per tile) outlasts the other's products (about 8k).
+So the epilogue is written for the fewest operations on the
+multiprocessor's quarter-rate pipe (special functions, conversions).
 Compiling the training step takes 100-135 s instead of about 20.
 """
 
@@ -71,14 +76,15 @@ class Tiling:
   tile's), so that one's epilogue always overlaps the other's products.
   Without it the turns come only from the order in which the ring's slots
   are filled, which lets the next tile's products start while this one's
-  finish and the two epilogues drift together. Off by default until
-  measured (benchmarks/RESULTS.md, tenth session: the epilogues are not
-  hidden today).
+  finish. Measured: no difference (0.753 / 0.754 ms at L/16,
+  benchmarks/RESULTS.md, eleventh session; the ring already keeps the
+  turns), so off by default.
 
   ``inflight``: how many k-steps' products a compute warpgroup leaves
   running when it moves on to the next step (``wgmma_wait(inflight)``);
   a slot is released only once its products are done, so the ring's
-  look-ahead shrinks by the same number of slots.
+  look-ahead shrinks by the same number of slots. Measured: 2 is slower
+  than 1 with 4 or 5 slots (eleventh session).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -166,7 +172,7 @@ def _rsqrt_ftz(x):
 
 def _cdf_pdf(x, rsqrt=lax.rsqrt):
   """(Phi(x), phi(x)) of the standard normal, float32: 2 special functions
-  and 11 other operations."""
+  and 13 other operations (16 in the form before the constants were folded)."""
   u = jnp.abs(x) * _U
   r = rsqrt(1.0 + _P_U * u)
   t = r * r
