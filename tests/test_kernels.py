@@ -161,6 +161,9 @@ def test_mlp_kernels_lower_for_hopper_at_model_sizes(model, ordered, inflight):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 2     # the forward and the backward kernel
+  # The forward epilogue's rsqrt in its flush-to-zero form (hopper_mlp._rsqrt_ftz;
+  # this fails if a jax version sends it down the public, non-ftz fallback).
+  assert "rsqrt.approx.ftz.f32" in text and "rsqrt.approx.f32" not in text
 
 
 def vit_inputs(batch: int, side: int):

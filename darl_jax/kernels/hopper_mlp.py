@@ -161,11 +161,14 @@ def _rsqrt_ftz(x):
   rescales for denormal inputs; _cdf_pdf's argument is >= 1, so those are
   wasted on the epilogue's busiest pipes. (Goes through FragmentedArray's
   private pointwise helpers: jax 0.10-0.11 have no public way to pick the
-  instruction; tests/test_kernels.py lowers it.)"""
+  instruction; without them it falls back to the public form.
+  tests/test_kernels.py lowers it.)"""
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
                                                         plgpu.Layout.WGMMA))
   def ftz(_, a):
+    if not (hasattr(a, "_pointwise") and hasattr(a, "_lift_fast_instr")):
+      return a.rsqrt(approx=True)   # a jax without the helpers: the public, non-ftz form
     return a._pointwise(a._lift_fast_instr("rsqrt.approx.ftz.f32"))
   return ftz(x)
 
