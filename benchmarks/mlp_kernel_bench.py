@@ -28,8 +28,10 @@ under the other warpgroup's main loop, and how long neither ran one.
 from __future__ import annotations
 
 import argparse
-import functools
+import collections
+import glob
 import itertools
+import json
 import os
 import re
 import statistics
@@ -131,8 +133,7 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
       ("+ bias + GELU twice (chained), one output", dict(bias=b, num_out=1,
                                                          epilogue=gelu_twice)),
       ("+ bias + (g, gelu'), two outputs: dense_gelu", dict(
-          bias=b, num_out=2, epilogue=functools.partial(hopper_mlp._fwd_epilogue,
-                                                        rsqrt=hopper_mlp._rsqrt_ftz))),
+          bias=b, num_out=2, epilogue=hopper_mlp._fwd_epilogue_for(interpret=False))),
       ("+ bias, stored twice", dict(bias=b, num_out=2, epilogue=lambda acc, bias, _: (
           acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1]),) * 2)),
       ("+ bias + GELU (lax.erf)", dict(bias=b, num_out=2, epilogue=erf_gelu)),
@@ -170,8 +171,6 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
 def _intervals(trace_file):
   """{(cta, warpgroup): {region: [(start, end), ...]}} from a kernel trace
   (hopper_mlp._gemm's trace_dir; times in SM clock cycles)."""
-  import collections
-  import json
   with open(trace_file) as f:
     events = json.load(f)["traceEvents"]
   open_at, spans = {}, collections.defaultdict(lambda: collections.defaultdict(list))
@@ -205,15 +204,10 @@ def overlap_summary(trace_file):
         hidden.append(covered(s, e, loops[1 - w]) / max(e - s, 1.0))
     everything = [iv for w in (0, 1) for region in spans[cta, w].values() for iv in region]
     start, end = min(s for s, _ in everything), max(e for _, e in everything)
-    busy = sorted(loops[0] + loops[1])
-    union, cur_s, cur_e = 0.0, None, None
-    for s, e in busy:
-      if cur_e is None or s > cur_e:
-        union += (cur_e - cur_s) if cur_e is not None else 0.0
-        cur_s, cur_e = s, e
-      else:
-        cur_e = max(cur_e, e)
-    union += (cur_e - cur_s) if cur_e is not None else 0.0
+    union, reach = 0.0, start   # the length of the main loops' union
+    for s, e in sorted(loops[0] + loops[1]):
+      union += max(0.0, e - max(s, reach))
+      reach = max(reach, e)
     idle.append(1.0 - union / (end - start))
   med = statistics.median
   return (f"{len(ctas)} CTAs; cycles per tile: main loop {med(mains):.0f}, epilogue "
@@ -224,10 +218,9 @@ def overlap_summary(trace_file):
 def trace_kernels(folder, x, w, b, dy, wt, scale, tiling):
   """Run the forward, a product-only and the backward kernel once each with
   the on-device trace, and summarise each (``overlap_summary``)."""
-  import glob
   cases = {
-      "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2, epilogue=functools.partial(
-          hopper_mlp._fwd_epilogue, rsqrt=hopper_mlp._rsqrt_ftz)),
+      "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2,
+                                    epilogue=hopper_mlp._fwd_epilogue_for(interpret=False)),
       "tenth session's dense_gelu": dict(a=x, b=w, bias=b, num_out=2,
                                          epilogue=_rounded_h_unfolded),
       "product only": dict(a=x, b=w, num_out=1, epilogue=lambda acc, *_: (acc,)),
@@ -304,22 +297,23 @@ def main():
       rows.append((name, float("nan"), f"failed: {str(e).splitlines()[0][:120]}"))
 
   rows.append(("XLA fc1 + bias + GELU (h, g)", timed(xla_fwd, x, w1b, b1), ""))
+  def check_g(o):
+    return f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}"
+
+  def forward_with(epilogue):   # the forward kernel with another epilogue, first tiling
+    return jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=epilogue,
+                                                    num_out=2, tiling=tilings[0]))
+
   for t in tilings:
     kernel_row(f"dense_gelu -> (g, gelu'(h)) {t}",
                jax.jit(lambda x, w, b, t=t: hopper_mlp.dense_gelu(x, w, b, tiling=t)),
-               (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
+               (x, w1b, b1), check_g)
   kernel_row(f"dense_gelu with Mosaic's rsqrt (not flush-to-zero) {tilings[0]}",
-             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=hopper_mlp._fwd_epilogue,
-                                                      num_out=2, tiling=tilings[0])),
-             (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
+             forward_with(hopper_mlp._fwd_epilogue), (x, w1b, b1), check_g)
   kernel_row(f"tenth session's form: h rounded first, constants unfolded {tilings[0]}",
-             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_rounded_h_unfolded,
-                                                      num_out=2, tiling=tilings[0])),
-             (x, w1b, b1), lambda o: f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}")
-  kernel_row(f"earlier form -> (h, g) {tilings[0]}",
-             jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=_h_and_gelu,
-                                                      num_out=2, tiling=tilings[0])),
-             (x, w1b, b1), lambda o: f"h {rel_err(o[0], h_ref):.1e}, g {rel_err(o[1], g_ref):.1e}")
+             forward_with(_rounded_h_unfolded), (x, w1b, b1), check_g)
+  kernel_row(f"earlier form -> (h, g) {tilings[0]}", forward_with(_h_and_gelu), (x, w1b, b1),
+             lambda o: f"h {rel_err(o[0], h_ref):.1e}, g {rel_err(o[1], g_ref):.1e}")
   rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
   for t in tilings:
     kernel_row(f"matmul_scaled by gelu'(h) {t}",

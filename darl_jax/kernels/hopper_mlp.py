@@ -472,6 +472,12 @@ def _gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
   return kernel(*inputs)
 
 
+def _fwd_epilogue_for(interpret: bool) -> Callable:
+  """dense_gelu's epilogue: with the flush-to-zero rsqrt on the GPU, the
+  plain one in the interpreter (which runs no inline Mosaic GPU code)."""
+  return functools.partial(_fwd_epilogue, rsqrt=lax.rsqrt if interpret else _rsqrt_ftz)
+
+
 def _fwd_epilogue(acc, bias, _, rsqrt=lax.rsqrt):
   # The GELU of the float32 pre-activation. (The XLA MLP rounds h to bf16
   # first, as its fc1 output; doing that here cost two conversions per
@@ -493,13 +499,13 @@ def dense_gelu(x, w, b, *, tiling: Tiling = DEFAULT_TILING, interpret: bool = Fa
   ``h`` moves the derivative's arithmetic (two special-function calls and a
   dozen multiply-adds per element) out of the backward kernel's epilogue, at
   the price of one multiply-add here, where ``Phi(h)`` and ``phi(h)`` are
-  computed anyway. Same memory. Rounding: ``gelu'(h)`` is stored in bf16
-  (relative error 2^-9, the same as ``dh``'s own final rounding), where the
-  XLA MLP evaluates it in float32 from the bf16 ``h``; the backward's result
-  moves by less than one bf16 ulp. x, w bf16, b any float.
+  computed anyway. Same memory. Rounding: both are of the float32 ``h``
+  (the XLA MLP rounds ``h`` to bf16 first, as its fc1 output) and stored in
+  bf16 (relative error 2^-9, the same as ``dh``'s own final rounding), where
+  the XLA MLP evaluates the derivative in float32 in its backward; the
+  backward's result moves by less than one bf16 ulp. x, w bf16, b any float.
   """
-  epilogue = functools.partial(_fwd_epilogue, rsqrt=lax.rsqrt if interpret else _rsqrt_ftz)
-  return _gemm(x, w, bias=b.astype(jnp.float32), epilogue=epilogue, num_out=2,
+  return _gemm(x, w, bias=b.astype(jnp.float32), epilogue=_fwd_epilogue_for(interpret), num_out=2,
                tiling=tiling, interpret=interpret)
 
 
@@ -525,8 +531,9 @@ def mlp(x, w1, b1, w2, b2, kernels: MlpKernels = DEFAULT_KERNELS, interpret: boo
   """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis of ``x``, in x's dtype (bf16).
 
   The same function as models.vit.Mlp in bf16 (float32 accumulation, exact
-  GELU evaluated in float32 on the bf16 pre-activation), with the GELU and
-  its derivative inside the kernels above.
+  GELU evaluated in float32), with the GELU and its derivative inside the
+  kernels above; the kernels take the GELU of the float32 pre-activation,
+  where models.vit.Mlp rounds it to bf16 first.
   """
   return _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret)[0]
 

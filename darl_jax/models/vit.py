@@ -107,7 +107,8 @@ gelu_exact.defvjp(_gelu_exact_fwd, _gelu_exact_bwd)
 
 # "xla": two Dense layers with the GELU between them, as XLA compiles them.
 # "hopper": the same function on darl_jax/kernels/hopper_mlp.py's Hopper
-# kernels (the GELU and its derivative inside the matrix products; bf16,
+# kernels (the GELU and its derivative inside the matrix products, of the
+# float32 pre-activation where "xla" rounds it to bf16 first; bf16,
 # sm_90 GPUs; benchmarks/RESULTS.md has the speed-up) wherever batch x tokens
 # is a multiple of 128, the XLA MLP elsewhere. Same parameters.
 MLP_IMPLS = ("xla", "hopper")
