@@ -10,7 +10,8 @@ and forward + backward, where the backward is the one a pre-LN block runs:
 the norm's output gradient plus the residual stream's gradient reaching
 ``x`` around it. Rows: flax's ``nn.LayerNorm`` as XLA compiles it, and
 ``residual_layer_norm`` at each ``--blocks`` setting
-(``rows x warps : bwd_rows x bwd_warps x programs``). GB/s counts the bytes
+(``rows x warps : bwd_rows x bwd_warps x programs [x bwd_chunk [x
+bwd_sweeps]][s]``, ``s`` for ``bwd_block_sums``; always the backward kernel, whatever the width). GB/s counts the bytes
 the computation must move (forward: x in, y out; backward: x, dy and the
 residual gradient in, dx out), so 3000-4000 is the card's copy rate.
 
@@ -46,10 +47,15 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def parse_blocks(text: str) -> ln.Blocks:
+  """``rows x warps : bwd_rows x bwd_warps x programs [x bwd_chunk [x bwd_sweeps]][s]``
+  (``s``: ``bwd_block_sums``);
+  the backward is the kernel's at every width (``Blocks.bwd='kernel'``)."""
   fwd, bwd = text.split(":")
+  block_sums = bwd.endswith("s")     # suffix s: Blocks.bwd_block_sums
   rows, warps = (int(v) for v in fwd.split("x"))
-  bwd_rows, bwd_warps, programs = (int(v) for v in bwd.split("x"))
-  return ln.Blocks(rows, warps, bwd_rows, bwd_warps, programs)
+  bwd_rows, bwd_warps, programs, *rest = (int(v) for v in bwd.rstrip("s").split("x"))
+  extra = dict(zip(("bwd_chunk", "bwd_sweeps"), rest), bwd_block_sums=block_sums)
+  return ln.Blocks(rows, warps, bwd_rows, bwd_warps, programs, bwd="kernel", **extra)
 
 
 def reference(x, scale, bias):

@@ -28,7 +28,10 @@ session"); a new XLA may change that, which is why they are kept runnable:
 
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
-A/B of an option the model has.
+A/B of an option the model has. One written ``ln_blocks:<blocks>`` runs the
+LayerNorm kernels (``model.norm_impl=triton``) at those ``layer_norm.Blocks``,
+in layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the
+backward kernel at every width, binary chunks).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -299,9 +302,18 @@ VARIANTS = {
 }
 
 
+LN_BLOCKS = "ln_blocks:"
+
+
 @contextlib.contextmanager
 def variant(name: str):
   """Patches the model for one variant while the block runs."""
+  if name.startswith(LN_BLOCKS):
+    from layer_norm_bench import parse_blocks
+    from darl_jax.kernels import layer_norm
+    with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])):
+      yield
+    return
   if name not in VARIANTS:
     raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
   with contextlib.ExitStack() as stack:
@@ -322,7 +334,7 @@ def main():
   args = parser.parse_args()
   model, objective, batch = args.case.split(":")
   names = args.variants.split(",")
-  bad = [n for n in names if n not in VARIANTS and "=" not in n]
+  bad = [n for n in names if n not in VARIANTS and "=" not in n and not n.startswith(LN_BLOCKS)]
   if bad:                                  # fail before compiling anything
     parser.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.case}")

@@ -3,6 +3,8 @@ numbers in Pallas's Triton interpreter against a float32 LayerNorm (and, for
 ``add_layer_norm``, against XLA's add), the models' ``norm_impl='triton'``
 against flax's LayerNorm, and their lowering for CUDA at the model widths."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,13 +55,26 @@ def test_chunks_cover_a_row_in_descending_powers_of_two(width):
   assert all(n & (n - 1) == 0 for n in sizes) and sizes == sorted(set(sizes), reverse=True)
 
 
-# 64: one chunk, the backward kernel. 80 = 64 + 16: two chunks in the
-# forward, XLA's backward (not a power of two).
+# The backward's forms: the default (binary chunks held in registers, column
+# sums per row of the block), the column sums reduced across the block at
+# every step, two sweeps over uniform 16-lane chunks (5 at width 80), and
+# XLA's formula.
+BACKWARDS = {
+    "default": SMALL,
+    "step_sums": dataclasses.replace(SMALL, bwd_block_sums=False),
+    "two_sweeps": dataclasses.replace(SMALL, bwd_chunk=16, bwd_sweeps=2),
+    "xla": dataclasses.replace(SMALL, bwd="xla"),
+}
+
+
+# 64: one chunk. 80 = 64 + 16: two chunks.
 @pytest.mark.parametrize("width", [64, 80])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_residual_layer_norm_matches_float32_layer_norm(width, dtype):
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+def test_residual_layer_norm_matches_float32_layer_norm(width, dtype, backward):
   x, scale, bias, dres, dy = _inputs(width, dtype)
-  f = lambda x, s, b: ln.residual_layer_norm(x, s, b, EPS, SMALL, True)
+  blocks = BACKWARDS[backward]
+  f = lambda x, s, b: ln.residual_layer_norm(x, s, b, EPS, blocks, True)
   (x_out, y), vjp = jax.vjp(f, x, scale, bias)
   (_, y_ref), vjp_ref = jax.vjp(_reference, x, scale, bias)
   assert x_out is x or np.array_equal(x_out, x)
@@ -97,7 +112,7 @@ def _add_reference(x, y, scale, bias):
   return s, _reference(s, scale, bias)[1]
 
 
-# 64: one chunk, the backward kernel; 80: two chunks, XLA's backward. 37 rows:
+# 64: one chunk; 80: two chunks (64 + 16). 37 rows:
 # a partial last block.
 @pytest.mark.parametrize("width", [64, 80])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -169,6 +184,19 @@ def test_layer_norm_checks_its_parameters():
     ln.forward(x, jnp.ones((4,)), jnp.zeros((8,)), eps=EPS, interpret=True)
   with pytest.raises(ValueError, match="power of two"):
     ln.Blocks(rows=3)
+  with pytest.raises(ValueError, match="bwd_chunk must be 0 or a power of two"):
+    ln.Blocks(bwd_chunk=96)
+  with pytest.raises(ValueError, match="bwd_sweeps must be 1 or 2"):
+    ln.Blocks(bwd_sweeps=3)
+  with pytest.raises(ValueError, match="'auto', 'kernel' or 'xla'"):
+    ln.Blocks(bwd="triton")
+
+
+def test_backward_chunks():
+  """Uniform chunks where they divide the width, the binary ones elsewhere."""
+  assert ln.Blocks(bwd_chunk=256).bwd_parts(1280) == tuple((i, 256) for i in range(0, 1280, 256))
+  assert ln.Blocks(bwd_chunk=256).bwd_parts(1000) == ln.chunks(1000)
+  assert ln.Blocks().bwd_parts(1280) == ((0, 1024), (1024, 256))
 
 
 def _tiny_vit(norm_impl, dtype=jnp.float32, **kw):
@@ -260,11 +288,11 @@ def test_unknown_norm_impl_names_the_valid_ones():
     vit.vit_from_config(config.model)
 
 
-@pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 0), (768, 0)])
+@pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 1), (768, 0)])
 def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
   """Triton lowering (block shapes, layouts) at ViT-L/H/B widths: one forward
   kernel per norm (the residual norm's and the add-and-norm's); the backward
-  kernel where the width is a power of two."""
+  kernel except at XLA_BACKWARD_WIDTHS (ViT-B's 768)."""
   s = jax.ShapeDtypeStruct
   x, v = s((64, 197, width), jnp.bfloat16), s((width,), jnp.float32)
 

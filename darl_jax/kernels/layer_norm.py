@@ -14,9 +14,10 @@ the residual stream's gradient). At ViT-L/16, batch 256 on an H200 that is
   scale``, plus the gradient that reaches ``x`` around the norm (the
   residual stream's, see below) in the same pass, and keeps the scale and
   bias gradients' column sums in registers; one small ``[programs, width]``
-  partial sum per program is left for XLA to add up. Widths that are not a
-  power of two (ViT-B's 768, ViT-H's 1280) take the same formula in XLA,
-  which measured faster there than this kernel on two chunks.
+  partial sum per program is left for XLA to add up. The column sums are
+  carried per row of the block and reduced across the block's rows once,
+  at the end (``Blocks.bwd_block_sums``). ViT-B's 768 takes the same
+  formula in XLA (``XLA_BACKWARD_WIDTHS``), which measured faster there.
 
 ``residual_layer_norm(x, scale, bias) -> (x, y)`` hands ``x`` on unchanged
 (no copy) next to ``y = LN(x)``: in a pre-LN block ``x`` goes on into the
@@ -71,15 +72,54 @@ class Blocks:
   bwd_rows: int = 4
   bwd_warps: int = 4
   programs: int = 1056
+  # The backward kernel's row walk: ``bwd_chunk`` lanes per chunk (0: the
+  # binary chunks of ``chunks``; else uniform chunks of that many lanes where
+  # they divide the width), and ``bwd_sweeps`` passes over a block's chunks:
+  # 1 holds every chunk of x and dy in registers between the row sums and dx;
+  # 2 takes the row sums first and reads the chunks again for dx (from
+  # cache), holding one chunk at a time.
+  bwd_chunk: int = 0
+  bwd_sweeps: int = 1
+  # ``bwd_block_sums``: carry the scale and bias gradients' column sums as
+  # ``[bwd_rows, width]`` (one row per row of the block) and reduce over the
+  # rows once, after the walk, instead of a reduction across the block's
+  # rows (threads) at every step; more registers, fewer synchronisations.
+  bwd_block_sums: bool = True
+  # "kernel", "xla" (``_backward_xla``), or "auto": see ``backward``.
+  bwd: str = "auto"
 
   def __post_init__(self):
     for name in ("rows", "bwd_rows"):
       v = getattr(self, name)
       if v < 1 or v & (v - 1):
         raise ValueError(f"Blocks.{name} must be a power of two, got {v}")
+    if self.bwd_chunk < 0 or self.bwd_chunk & (self.bwd_chunk - 1):
+      raise ValueError(f"Blocks.bwd_chunk must be 0 or a power of two, got {self.bwd_chunk}")
+    if self.bwd_sweeps not in (1, 2):
+      raise ValueError(f"Blocks.bwd_sweeps must be 1 or 2, got {self.bwd_sweeps}")
+    if self.bwd not in ("auto", "kernel", "xla"):
+      raise ValueError(f"Blocks.bwd must be 'auto', 'kernel' or 'xla', got {self.bwd!r}")
+
+  def bwd_parts(self, width: int) -> tuple[tuple[int, int], ...]:
+    """The backward kernel's ``(start, size)`` column chunks of a row."""
+    c = self.bwd_chunk
+    if c and width % c == 0:
+      return tuple((i, c) for i in range(0, width, c))
+    return chunks(width)
 
 
+# Measured on an H200 (benchmarks/RESULTS.md, "twelfth session"): at ViT-H's
+# 1280 the backward kernel with block sums is 0.326 ms fwd+bwd per norm
+# against XLA's 0.354 alone, and in the ViT-H/14 diffusion step (8 blocks,
+# batch 192, one process) +2.7% img/s over XLA's backward, whose fusions in
+# the step also take in the neighbouring bias sums and converts; at 1024 the
+# block sums are a tie with the per-step reduction (0.209 / 0.208 ms).
 DEFAULT_BLOCKS = Blocks()
+
+# Widths whose backward stays XLA's under ``bwd='auto'``: ViT-B's 768, where
+# the kernel (512 + 256 chunks) measured slower alone (0.882 against 0.784 ms
+# fwd+bwd at batch 1024) and was not measured in the step.
+XLA_BACKWARD_WIDTHS = (768,)
 
 
 def chunks(width: int) -> tuple[tuple[int, int], ...]:
@@ -141,7 +181,7 @@ def _forward_kernel(*refs, eps, block_rows, has_add):
   pltriton.store(rstd_ref.at[rows], rstd, mask=rmask)
 
 
-def _backward_kernel(*refs, block_rows, programs, has_residual):
+def _backward_kernel(*refs, block_rows, programs, has_residual, parts, sweeps, block_sums):
   if has_residual:
     (x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dres_ref,
      dx_ref, dscale_ref, dbias_ref) = refs
@@ -149,7 +189,6 @@ def _backward_kernel(*refs, block_rows, programs, has_residual):
     x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dbias_ref = refs
     dres_ref = None
   n, width = x_ref.shape
-  parts = chunks(width)
   program = pl.program_id(0)
   blocks = pl.cdiv(n, block_rows)
 
@@ -158,32 +197,42 @@ def _backward_kernel(*refs, block_rows, programs, has_residual):
     rmask = rows < n
     mean = pltriton.load(mean_ref.at[rows], mask=rmask, other=0.0)
     rstd = pltriton.load(rstd_ref.at[rows], mask=rmask, other=0.0)
-    xhat, dy, g = [], [], []
-    for start, size in parts:
+
+    def chunk(start, size):
       # rows past the end load as zeros, so they add nothing to the sums
-      xhat.append((_load(x_ref, rows, rmask, start, size) - mean[:, None]) * rstd[:, None])
-      dy.append(_load(dy_ref, rows, rmask, start, size))
-      g.append(dy[-1] * _vector(scale_ref, start, size)[None, :])
-    c1 = sum(jnp.sum(a * b, axis=1) for a, b in zip(g, xhat)) / width
-    c2 = sum(jnp.sum(a, axis=1) for a in g) / width
+      xhat = (_load(x_ref, rows, rmask, start, size) - mean[:, None]) * rstd[:, None]
+      dy = _load(dy_ref, rows, rmask, start, size)
+      return xhat, dy, dy * _vector(scale_ref, start, size)[None, :]
+
+    held = [chunk(start, size) for start, size in parts]
+    c1 = sum(jnp.sum(g * xhat, axis=1) for xhat, _, g in held) / width
+    c2 = sum(jnp.sum(g, axis=1) for _, _, g in held) / width
     new = []
     for i, (start, size) in enumerate(parts):
-      dx = (g[i] - xhat[i] * c1[:, None] - c2[:, None]) * rstd[:, None]
+      # two sweeps: the chunk again (from cache) rather than held since the sums
+      xhat, dy, g = chunk(start, size) if sweeps == 2 else held[i]
+      dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
       if dres_ref is not None:
         dx += _load(dres_ref, rows, rmask, start, size)
       _store(dx_ref, rows, rmask, start, dx)
       # column sums over this block's rows, carried as one row per chunk
-      new.append((sums[i][0] + jnp.sum(dy[i] * xhat[i], axis=0),
-                  sums[i][1] + jnp.sum(dy[i], axis=0)))
+      if block_sums:
+        new.append((sums[i][0] + dy * xhat, sums[i][1] + dy))
+      else:
+        new.append((sums[i][0] + jnp.sum(dy * xhat, axis=0),
+                    sums[i][1] + jnp.sum(dy, axis=0)))
     return tuple(new)
 
-  zeros = tuple((jnp.zeros((size,), jnp.float32), jnp.zeros((size,), jnp.float32))
-                for _, size in parts)
+  lead = (block_rows,) if block_sums else ()
+  zeros = tuple((jnp.zeros(lead + (size,), jnp.float32),
+                 jnp.zeros(lead + (size,), jnp.float32)) for _, size in parts)
   # blocks program, program + programs, ...: neighbouring programs read
   # neighbouring rows at the same time
   count = (blocks - program + programs - 1) // programs
   sums = jax.lax.fori_loop(0, count, lambda i, s: body(program + i * programs, s), zeros)
   for (start, size), (dscale, dbias) in zip(parts, sums):
+    if block_sums:
+      dscale, dbias = jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
     dscale_ref[program, pl.dslice(start, size)] = dscale
     dbias_ref[program, pl.dslice(start, size)] = dbias
 
@@ -238,11 +287,11 @@ def backward(x, scale, mean, rstd, dy, dres=None, *, blocks: Blocks = DEFAULT_BL
   """``(dx [+ dres], dscale, dbias)`` for ``y = LN(x)`` given ``dy``; ``dres``
   (optional) is the gradient reaching ``x`` by other paths.
 
-  The kernel for power-of-two widths; for others (ViT-B's 768, ViT-H's
-  1280) the same formula in XLA, which measured faster there than the
-  kernel's two chunks (benchmarks/RESULTS.md, "ninth session")."""
+  ``blocks.bwd``: "kernel", "xla" (the same formula as XLA fuses it), or
+  "auto": the kernel except at ``XLA_BACKWARD_WIDTHS``."""
   width = x.shape[-1]
-  if width & (width - 1):
+  use_xla = blocks.bwd == "xla" or (blocks.bwd == "auto" and width in XLA_BACKWARD_WIDTHS)
+  if use_xla:
     return _backward_xla(x, scale, mean, rstd, dy, dres)
   x2, dy2 = x.reshape(-1, width), dy.reshape(-1, width)
   n = x2.shape[0]
@@ -252,7 +301,8 @@ def backward(x, scale, mean, rstd, dy, dres=None, *, blocks: Blocks = DEFAULT_BL
     args.append(dres.reshape(-1, width))
   dx, dscale, dbias = pl.pallas_call(
       functools.partial(_backward_kernel, block_rows=blocks.bwd_rows, programs=programs,
-                        has_residual=dres is not None),
+                        has_residual=dres is not None, parts=blocks.bwd_parts(width),
+                        sweeps=blocks.bwd_sweeps, block_sums=blocks.bwd_block_sums),
       grid=(programs,),
       out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),
                  jax.ShapeDtypeStruct((programs, width), jnp.float32),
