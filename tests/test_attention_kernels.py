@@ -104,6 +104,36 @@ def test_packed_attention_with_rope_in_the_kernels_matches_float32(head_dim, wit
     assert _rel(got_bias, want_bias) < 2e-2
 
 
+@pytest.mark.parametrize("slots", [0, 2, 3])
+def test_the_forward_copies_out_v_from_its_last_streamed_tile(slots):
+  """With ``keep_v`` the forward kernel stores v's heads from the slot of the
+  last tile it streamed (the diagonal; which slot that is depends on how
+  many tiles the query tile sees, 1 to 3 here); the backward of
+  causal_attention_qkv keeps that array instead of the packed product. Every
+  row of every head, bitwise, and the attention output unchanged."""
+  qkv = jax.random.normal(jax.random.key(7), (B * T, 3 * H, D)).astype(jnp.bfloat16)
+  tiling = ha.AttentionTiling(slots)
+  o, lse, v = ha._forward(qkv, qkv, qkv, None, ha._packed(H), T, tiling, True, keep_v=True)
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(qkv[:, 2 * H:]))
+  o_plain, lse_plain = ha._forward(qkv, qkv, qkv, None, ha._packed(H), T, tiling, True)
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_plain))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_plain))
+
+
+def test_the_backward_does_not_keep_the_packed_product():
+  """With a bias or RoPE, the residuals of causal_attention_qkv are the
+  rotated q, k and v alone: no array as large as the packed product."""
+  qkv = jnp.zeros((B, T, 3, H, D), jnp.bfloat16)
+  bias = jnp.zeros((3, H, D), jnp.bfloat16)
+  rope = _rope_tables(jax.random.key(0), T, D)
+  _, res = ha._qkv_fwd(qkv, bias, rope, ha.DEFAULT_ATTENTION_TILING, True)
+  sizes = [x.size for x in jax.tree.leaves(res)]
+  assert qkv.size not in sizes
+  assert sorted(sizes)[-2:] == [B * T * H * D, B * T * 2 * H * D]   # v; q and k
+  _, res = ha._qkv_fwd(qkv, None, None, ha.DEFAULT_ATTENTION_TILING, True)
+  assert max(x.size for x in jax.tree.leaves(res)) == qkv.size      # q, k, v in place
+
+
 @pytest.mark.parametrize("seg", [64, 80, 196, 256])
 def test_extended_rope_tables_give_every_tile_its_rows_positions(seg):
   """Tile i of the flat sequence reads entry i % P of the extended tables;

@@ -399,10 +399,18 @@ def _copy_out(copies):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: bool):
-  """-> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32). ``v_bias``: None,
-  or float32 ``[H, D]`` added to the output, which is v's bias added to
-  every value row (see causal_attention_qkv)."""
+def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: bool,
+             keep_v: bool = False):
+  """-> (O ``[N, H, D]``, log2-sum-exp ``[H, N]`` float32), and with
+  ``keep_v`` also v's heads as their own ``[N, H, D]`` array. ``v_bias``:
+  None, or float32 ``[H, D]`` added to the output, which is v's bias added
+  to every value row (see causal_attention_qkv).
+
+  ``keep_v``: the CTA of query tile i streams key/value tile i last (the
+  diagonal), so that tile is in shared memory when the loop ends and one
+  more bulk copy stores it: every row of v is written once, by one CTA,
+  with no extra read. The backward then keeps this array instead of the
+  packed projection (two thirds smaller)."""
   g = _Geometry.of(v, at, seg, tiling, _q_span)
   ops = _Ops(interpret)
   biased = v_bias is not None
@@ -410,7 +418,9 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
   def body(*refs):
     q_ref, k_ref, v_ref, *refs = refs
     bias_ref, refs = (refs[0], refs[1:]) if biased else (None, refs)
-    o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
+    o_ref, lse_ref, *refs = refs
+    v_out, refs = (refs[0], refs[1:]) if keep_v else (None, refs)
+    q_smem, k_smem, v_smem, lse_smem, *refs = refs
     bias_smem, (q_bar, kv_bar) = (refs[0], refs[1:]) if biased else (None, refs)
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     q0 = i * BLOCK
@@ -447,16 +457,19 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
       out = out + lax.broadcast_in_dim(ops.cols(bias_smem), out.shape, [1])
     q_smem[...] = out.astype(q_smem.dtype)        # Q is no longer read
     lse_smem[...] = m + jnp.log2(l)
-    _copy_out([(q_smem, o_ref.at[pl.ds(q0, BLOCK), h]),
-               (lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])])
+    copies = [(q_smem, o_ref.at[pl.ds(q0, BLOCK), h]),
+              (lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])]
+    if keep_v:   # the last streamed tile, lo + n - 1 = i: this CTA's own rows
+      copies.append((v_smem.at[(n - 1) % g.slots], v_out.at[pl.ds(q0, BLOCK), h]))
+    _copy_out(copies)
 
   scratch = [g.tile(), g.tile(slotted=True), g.tile(slotted=True), g.vector()]
   scratch += [g.bias()] if biased else []
   scratch += [plgpu.Barrier(num_arrivals=2 if biased else 1, num_barriers=1),
               plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
   return g.call("fwd", body, inputs=(q, k, v) + ((v_bias,) if biased else ()),
-                out_type=(g.tiles_out(), g.vector_out()), scratch=scratch,
-                interpret=interpret)
+                out_type=(g.tiles_out(), g.vector_out()) + ((g.tiles_out(),) if keep_v else ()),
+                scratch=scratch, interpret=interpret)
 
 
 def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTiling,
@@ -712,15 +725,30 @@ def _qkv_fwd(qkv, bias, rope, tiling, interpret):
   packed = qkv.reshape(b * t, 3 * h, d)
   qk = _query_keys(qkv, bias, rope)
   v_bias = None if bias is None else bias[2].astype(jnp.float32)
-  o, lse = _forward(qk, qk, packed, v_bias, _packed(h), t, tiling, interpret)
-  return o.reshape(b, t, h, d), (qk, packed, v_bias, o, lse, bias, rope)
+  # The backward keeps v as the forward kernel copied it out, not the packed
+  # product: with bias or RoPE, q and k are kept rotated (qk), and holding
+  # the packed array for its v would keep its q and k halves alive too (8 GB
+  # at ViT-H/14, batch 192). Without either, qk is the packed array itself.
+  keep_v = _keeps_v(bias, rope)
+  o, lse, *v = _forward(qk, qk, packed, v_bias, _packed(h), t, tiling, interpret,
+                        keep_v=keep_v)
+  return o.reshape(b, t, h, d), (qk, v[0] if keep_v else packed, v_bias, o, lse, bias, rope)
+
+
+def _keeps_v(bias, rope) -> bool:
+  """Whether the backward reads v from its own array (q and k are a rotated
+  or biased copy) rather than from the packed product (which is then qk)."""
+  return bias is not None or rope is not None
 
 
 def _qkv_bwd(tiling, interpret, res, do):
-  qk, packed, v_bias, o, lse, bias, rope = res
+  qk, v, v_bias, o, lse, bias, rope = res
+  heads = do.shape[2]
+  # q and k at heads 0.. and H.. of qk, v at 0.. of its own array, or all
+  # three in the packed product
+  at = (heads, 0, heads, 0) if _keeps_v(bias, rope) else _packed(heads)
   tables = None if rope is None else extended_tables(*rope, do.shape[1], tiling.rope_tables)
-  dqkv = _backward(qk, qk, packed, v_bias, o, lse, do, tables, _packed(do.shape[2]),
-                   tiling, interpret)
+  dqkv = _backward(qk, qk, v, v_bias, o, lse, do, tables, at, tiling, interpret)
   # every bias row is added to every token: its gradient is the column sum
   dbias = None if bias is None else jnp.sum(dqkv.astype(jnp.float32), (0, 1)).astype(bias.dtype)
   return dqkv, dbias, None if rope is None else tuple(jnp.zeros_like(x) for x in rope)
