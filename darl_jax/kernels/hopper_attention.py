@@ -36,9 +36,11 @@ Two entry points wrap them with a custom gradient:
 
 - ``causal_attention_qkv(qkv, bias, rope)``, what the model calls: it takes
   the packed projection's product ``[B, T, 3, H, D]``, its bias and RoPE's
-  tables. q and k get their bias and rotation in one XLA pass; the kernels
-  read v from the packed product in place and add v's bias to the output;
-  the backward kernels apply the rotation's transpose to dQ and dK in their
+  tables. q and k get their bias and rotation in one XLA pass; the forward
+  kernel reads v from the packed product in place, adds v's bias to the
+  output and stores v's rows once more for the backward (from the tile it
+  streams last), so that the packed product dies after the forward; the
+  backward kernels apply the rotation's transpose to dQ and dK in their
   epilogues and write dQ, dK, dV into one ``[B, T, 3, H, D]`` array (dK/dV
   into dQ's output, in place), the projection's own gradient layout. This
   removes a copy of v, a bias pass over the whole product, and XLA's pass
