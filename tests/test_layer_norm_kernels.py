@@ -413,18 +413,21 @@ def test_unknown_norm_impl_names_the_valid_ones():
 @pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 1), (768, 0)])
 def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
   """Triton lowering (block shapes, layouts) at ViT-L/H/B widths: one forward
-  kernel per norm (the residual norm's and the add-and-norm's); the backward
-  kernel except at XLA_BACKWARD_WIDTHS (ViT-B's 768)."""
+  kernel per norm (the residual norm's, the add-and-norm's and the one with
+  a deferred bf16 bias); the backward kernel except at XLA_BACKWARD_WIDTHS
+  (ViT-B's 768)."""
   s = jax.ShapeDtypeStruct
   x, v = s((64, 197, width), jnp.bfloat16), s((width,), jnp.float32)
 
   def loss(x, scale, bias):
     r, y = ln.residual_layer_norm(x, scale, bias)
     r, y = ln.add_layer_norm(r, y, scale, bias)
+    r, y = ln.add_bias_layer_norm(r, y, bias.astype(jnp.bfloat16), scale, bias)
     return jnp.sum(r.astype(jnp.float32) * y.astype(jnp.float32))
 
   text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, v, v).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("add_layer_norm_fwd") >= 1
-  assert text.count("layer_norm_fwd") > text.count("add_layer_norm_fwd")
+  assert text.count("add_layer_norm_fwd") >= 1 and text.count("add_bias_layer_norm_fwd") >= 1
+  assert text.count("layer_norm_fwd") > (text.count("add_layer_norm_fwd")
+                                         + text.count("add_bias_layer_norm_fwd"))
   assert (text.count("layer_norm_bwd") >= 1) == bool(backward_kernels)
