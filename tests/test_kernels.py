@@ -275,3 +275,29 @@ def test_kernel_trace_summary_counts_overlap_and_idle_time(tmp_path):
   assert summary == ("1 CTAs; cycles per tile: main loop 100, epilogue 40; epilogue under "
                      "the other's main loop 60% (median); no main loop running 12.5% of "
                      "the time")
+
+
+def test_hopper_mlp_defers_fc2s_bias():
+  """``Mlp(impl='hopper', defer_bias=True)`` runs ``hopper_mlp.mlp`` with
+  ``b2=None`` and hands fc2's bias on apart: product + bias is the MLP's
+  output, and the gradients are the same (fc2's bias gradient to bf16
+  rounding: it reaches the float32 parameter through the bf16 bias)."""
+  x = jax.random.normal(jax.random.key(0), (2, 64, 64), jnp.bfloat16)
+  make = lambda defer: vit.Mlp(256, dtype=jnp.bfloat16, impl="hopper", defer_bias=defer)
+  params = perturbed(make(False).init(jax.random.key(1), x)["params"])
+  readout = jax.random.normal(jax.random.key(2), x.shape)
+
+  def loss(defer):
+    def f(p, x):
+      y = make(defer).apply({"params": p}, x)
+      y = y[0] + y[1] if defer else y
+      return jnp.sum(y.astype(jnp.float32) * readout), y
+    return jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
+
+  (_, y_d), (g_d, dx_d) = loss(True)
+  (_, y), (g, dx) = loss(False)
+  np.testing.assert_array_equal(y_d, y)
+  np.testing.assert_array_equal(dx_d, dx)
+  db2 = g_d["fc2"].pop("bias"), g["fc2"].pop("bias")
+  jax.tree.map(np.testing.assert_array_equal, g_d, g)
+  np.testing.assert_allclose(db2[0], db2[1], rtol=1e-2, atol=1e-2 * float(jnp.abs(db2[1]).max()))

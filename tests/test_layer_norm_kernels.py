@@ -1,7 +1,9 @@
 """The fused LayerNorm kernels (darl_jax/kernels/layer_norm.py) on CPU: their
 numbers in Pallas's Triton interpreter against a float32 LayerNorm (and, for
-``add_layer_norm``, against XLA's add), the models' ``norm_impl='triton'``
-against flax's LayerNorm, and their lowering for CUDA at the model widths."""
+``add_layer_norm`` / ``add_bias_layer_norm``, against XLA's adds), the
+models' ``norm_impl='triton'`` against flax's LayerNorm (with the branch
+biases deferred into the norms), and their lowering for CUDA at the model
+widths."""
 
 import dataclasses
 
@@ -11,7 +13,10 @@ import numpy as np
 import pytest
 
 from darl_jax import config_lib
+from flax import linen as nn
+
 from darl_jax.kernels import layer_norm as ln
+from darl_jax.models import attention
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import decoders
 from darl_jax.models import vit
@@ -169,6 +174,86 @@ def test_add_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
     assert a.shape == b.shape and _rel(a, b) < tol, name
 
 
+def _add_bias_reference(x, y, y_bias, scale, bias):
+  """XLA's x + (y + y_bias), then the float32 LayerNorm."""
+  return _add_reference(x, y + y_bias, scale, bias)
+
+
+def _bias_inputs(x, y_dtype):
+  k = jax.random.split(jax.random.key(7), 4)
+  y = jax.random.normal(k[0], x.shape).astype(y_dtype)
+  y_bias = (0.5 * jax.random.normal(k[1], x.shape[-1:])).astype(y_dtype)
+  return y, y_bias, jax.random.normal(k[2], x.shape), jax.random.normal(k[3], x.shape)
+
+
+@pytest.mark.parametrize("width", [64, 80])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_bias_layer_norm_is_xlas_adds_then_the_norm(width, dtype):
+  x, scale, bias, _, _ = _inputs(width, dtype)
+  y, y_bias, _, _ = _bias_inputs(x, dtype)
+  s, out = ln.add_bias_layer_norm(x, y, y_bias, scale, bias, EPS, SMALL, True)
+  # rounded as XLA rounds x + (y + y_bias): the inner sum, then the outer
+  assert s.dtype == dtype and np.array_equal(np.asarray(s), np.asarray(x + (y + y_bias)))
+  if dtype == jnp.bfloat16:   # one rounding of x + y + y_bias would differ
+    assert not np.array_equal(np.asarray(s), np.asarray(
+        (x.astype(jnp.float32) + y + y_bias.astype(jnp.float32)).astype(dtype)))
+  tol = 1e-6 if dtype == jnp.float32 else 5e-3
+  assert _rel(out, _add_bias_reference(x, y, y_bias, scale, bias)[1]) < tol
+  _, _, (mean, rstd) = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=EPS, blocks=SMALL,
+                                      interpret=True)
+  _, (mean_s, rstd_s) = ln.forward(s, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
+  np.testing.assert_array_equal(mean, mean_s)
+  np.testing.assert_array_equal(rstd, rstd_s)
+
+
+@pytest.mark.parametrize("width", [64, 80])
+@pytest.mark.parametrize("x_dtype,y_dtype", [(jnp.float32, jnp.float32),
+                                             (jnp.bfloat16, jnp.bfloat16),
+                                             (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize("use_sum", [True, False])
+def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
+  """dx, dy, dy_bias, dscale, dbias as jax.grad of XLA's adds and a float32
+  LayerNorm; dx and dy are add_layer_norm's, dy_bias their row sum (float32)."""
+  x, scale, bias, _, _ = _inputs(width, x_dtype)
+  y, y_bias, r_sum, r_out = _bias_inputs(x, y_dtype)
+
+  def loss(f):
+    def g(*args):
+      s, out = f(*args)
+      total = jnp.sum(out.astype(jnp.float32) * r_out)
+      return total + jnp.sum(s.astype(jnp.float32) * r_sum) if use_sum else total
+    return g
+
+  args = (x, y, y_bias, scale, bias)
+  grad = jax.grad(loss(lambda *a: ln.add_bias_layer_norm(*a, EPS, SMALL, True)), range(5))
+  got = grad(*args)
+  want = jax.grad(loss(_add_bias_reference), range(5))(*args)
+  add_got = jax.grad(loss(lambda x, y, *a: ln.add_layer_norm(x, y + y_bias, *a, EPS, SMALL,
+                                                              True)), (0, 1))(x, y, scale, bias)
+  if width == 64:   # the sum's cotangent is read only where it has one
+    bwd = [e for e in jax.make_jaxpr(grad)(*args).eqns if e.params.get("name") == "layer_norm_bwd"]
+    assert [len(e.invars) for e in bwd] == [6 if use_sum else 5]
+  assert [a.dtype for a in got] == [x_dtype, y_dtype, y_dtype, jnp.float32, jnp.float32]
+  for a, b in zip(got[:2], add_got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(
+      np.asarray(got[2]), np.asarray(jnp.sum(got[0].astype(jnp.float32), 0).astype(y_dtype)))
+  # XLA's own y_bias gradient is a row sum in y's dtype (bf16 on the CPU,
+  # less accurate than the kernel's float32 sum): take the float32 row sum
+  # of its dy instead
+  want = list(want)
+  want[2] = jnp.sum(want[1].astype(jnp.float32), 0)
+  tol = 1e-5 if x_dtype == y_dtype == jnp.float32 else 5e-3
+  for name, a, b in zip(("dx", "dy", "dy_bias", "dscale", "dbias"), got, want):
+    assert a.shape == b.shape and _rel(a, b) < tol, name
+
+
+def test_add_bias_layer_norm_needs_a_width_bias():
+  x, scale, bias = jnp.zeros((4, 8)), jnp.ones((8,)), jnp.zeros((8,))
+  with pytest.raises(ValueError, match=r"y_bias \(4, 8\) must be \[width\]"):
+    ln.add_bias_layer_norm(x, x, x, scale, bias, EPS, SMALL, True)
+
+
 def test_add_layer_norm_needs_operands_of_one_shape():
   x, scale, bias = jnp.zeros((4, 8)), jnp.ones((8,)), jnp.zeros((8,))
   with pytest.raises(ValueError, match=r"x \(4, 8\) and y \(1, 8\) must have the same shape"):
@@ -203,14 +288,44 @@ def _tiny_vit(norm_impl, dtype=jnp.float32, **kw):
   return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, norm_impl=norm_impl, **kw)
 
 
+def _norm_kernels(jaxpr) -> dict:
+  """How many of each forward norm kernel a jaxpr calls, in its sub-jaxprs
+  (scan bodies, remat, custom gradients) too; a scan body counts once."""
+  counts = {}
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "pallas_call":
+        counts[eqn.params["name"]] = counts.get(eqn.params["name"], 0) + 1
+        continue
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+
+  walk(jaxpr.jaxpr)
+  return counts
+
+
 # Two blocks: the triton norms add the attention branch in norm2 and the first
-# block's MLP branch in the second block's norm1, the last in the final norm;
-# unrolled and scanned (the carry is (x, branch)), with drop path on the
-# branches, and under remat (the add between blocks left to XLA).
-@pytest.mark.parametrize("kw,train", [
-    ({}, False), ({"scan_layers": True}, False), ({"drop_path": 0.5}, True),
-    ({"remat": "full"}, False)], ids=["unrolled", "scan", "drop_path", "remat"])
-def test_vit_with_triton_norms_is_the_same_model(kw, train):
+# block's MLP branch in the second block's norm1, the last in the final norm,
+# each with the bias of the projection that ends the branch
+# (add_bias_layer_norm_fwd); unrolled and scanned (the carry is (x, (product,
+# bias))), with drop path on the branches (block 0's rate is 0: its branches
+# defer their biases, block 1's do not), and under remat (the add between
+# blocks left to XLA, the attention bias still in norm2). ``kernels``: the
+# forward norm kernels the triton model's forward calls, so that a lost
+# deferral fails here.
+@pytest.mark.parametrize("kw,train,kernels", [
+    ({}, False, {"add_bias_layer_norm_fwd": 4, "layer_norm_fwd": 1}),
+    ({"scan_layers": True}, False, {"add_bias_layer_norm_fwd": 3}),
+    ({"drop_path": 0.5}, True,
+     {"add_bias_layer_norm_fwd": 2, "add_layer_norm_fwd": 2, "layer_norm_fwd": 1}),
+    ({"remat": "full"}, False, {"add_bias_layer_norm_fwd": 2, "layer_norm_fwd": 3})],
+    ids=["unrolled", "scan", "drop_path", "remat"])
+def test_vit_with_triton_norms_is_the_same_model(kw, train, kernels):
   """Same parameter tree, same features and block outputs, and parameter
   gradients equal to float32 rounding under a random readout."""
   batch = 8 if train else 3   # 8 images: drop path keeps some branches, drops others
@@ -234,6 +349,9 @@ def test_vit_with_triton_norms_is_the_same_model(kw, train):
 
   (_, out_x), g_x = loss("xla")
   (_, out_t), g_t = loss("triton")
+  forward = lambda p: _tiny_vit("triton", **kw).apply({"params": p}, *args, train=train,
+                                                      rngs=rngs)
+  assert _norm_kernels(jax.make_jaxpr(forward)(params)) == kernels
   assert out_t.keys() == out_x.keys() == {"features", "block_00", "block_01"}
   for key in out_x:
     assert _rel(out_t[key], out_x[key]) < 1e-5, key
@@ -242,8 +360,9 @@ def test_vit_with_triton_norms_is_the_same_model(kw, train):
 
 
 def test_mlp_decoder_with_triton_norms_is_the_same_function():
-  """The residual MLP decoder adds each block's output in the next norm's
-  kernel (the last in the final norm): same outputs and gradients as XLA's."""
+  """The residual MLP decoder adds each block's output, with fc2's bias, in
+  the next norm's kernel (the last in the final norm): same outputs and
+  gradients as XLA's."""
   z = jax.random.normal(jax.random.key(0), (37, 64))
   x_noisy = jax.random.normal(jax.random.key(1), (37, 12))
   make = lambda impl: decoders.PatchDecoder("mlp", 12, depth=2, width=64, mlp_ratio=2,
@@ -253,6 +372,9 @@ def test_mlp_decoder_with_triton_norms_is_the_same_function():
   loss = lambda impl: jax.value_and_grad(
       lambda p, z: jnp.sum(make(impl).apply({"params": p}, z, x_noisy) * readout), (0, 1))
   got, want = loss("triton")(params, z), loss("xla")(params, z)
+  forward = lambda p: make("triton").apply({"params": p}, z, x_noisy)
+  assert _norm_kernels(jax.make_jaxpr(forward)(params)) == {
+      "layer_norm_fwd": 1, "add_bias_layer_norm_fwd": 2}
   assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0]))
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
     assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
@@ -291,18 +413,21 @@ def test_unknown_norm_impl_names_the_valid_ones():
 @pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 1), (768, 0)])
 def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
   """Triton lowering (block shapes, layouts) at ViT-L/H/B widths: one forward
-  kernel per norm (the residual norm's and the add-and-norm's); the backward
-  kernel except at XLA_BACKWARD_WIDTHS (ViT-B's 768)."""
+  kernel per norm (the residual norm's, the add-and-norm's and the one with
+  a deferred bf16 bias); the backward kernel except at XLA_BACKWARD_WIDTHS
+  (ViT-B's 768)."""
   s = jax.ShapeDtypeStruct
   x, v = s((64, 197, width), jnp.bfloat16), s((width,), jnp.float32)
 
   def loss(x, scale, bias):
     r, y = ln.residual_layer_norm(x, scale, bias)
     r, y = ln.add_layer_norm(r, y, scale, bias)
+    r, y = ln.add_bias_layer_norm(r, y, bias.astype(jnp.bfloat16), scale, bias)
     return jnp.sum(r.astype(jnp.float32) * y.astype(jnp.float32))
 
   text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, v, v).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("add_layer_norm_fwd") >= 1
-  assert text.count("layer_norm_fwd") > text.count("add_layer_norm_fwd")
+  assert text.count("add_layer_norm_fwd") >= 1 and text.count("add_bias_layer_norm_fwd") >= 1
+  assert text.count("layer_norm_fwd") > (text.count("add_layer_norm_fwd")
+                                         + text.count("add_bias_layer_norm_fwd"))
   assert (text.count("layer_norm_bwd") >= 1) == bool(backward_kernels)

@@ -361,3 +361,38 @@ def test_gelu_exact_value_and_custom_gradient(dtype):
   ref_loss = lambda x: jnp.sum(reference(x).astype(jnp.float32) ** 2)
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss))(x), np.float32),
                              np.asarray(jax.grad(ref_loss)(x), np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
+  """MultiHeadAttention's out and Mlp's fc2 with ``defer_bias`` return the
+  product and bias apart: the same parameters (names, shapes, dtypes and
+  initial values for the same rng) as nn.DenseGeneral / nn.Dense, and
+  ``product + bias`` is their output, bit for bit."""
+  from flax import linen as nn
+  from darl_jax.models import attention
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 4, 16), dtype)   # [B, T, heads, head_dim]
+  cases = [(attention.DenseBiasApart(64, (-2, -1), dtype, attention.OUT_INIT),
+            nn.DenseGeneral(64, axis=(-2, -1), dtype=dtype, kernel_init=attention.OUT_INIT)),
+           (attention.DenseBiasApart(32, (-1,), dtype, vit.DENSE_INIT),
+            nn.Dense(32, dtype=dtype, kernel_init=vit.DENSE_INIT))]
+  for apart, flax_layer in cases:
+    params = apart.init(jax.random.PRNGKey(1), x)["params"]
+    want = flax_layer.init(jax.random.PRNGKey(1), x)["params"]
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want)
+    jax.tree.map(np.testing.assert_array_equal, params, want)
+    params = jax.tree.map(lambda p: p + 0.1, params)   # a bias that shows
+    product, bias = apart.apply({"params": params}, x)
+    assert product.dtype == bias.dtype == dtype and bias.shape == (product.shape[-1],)
+    np.testing.assert_array_equal(product + bias, flax_layer.apply({"params": params}, x))
+  # inside the modules: same trees and initial values, product + bias the output
+  y = x.reshape(2, 5, 64)
+  for make in (lambda d: vit.Mlp(128, dtype=dtype, defer_bias=d),
+               lambda d: attention.MultiHeadAttention(4, dtype=dtype, defer_bias=d)):
+    params = make(True).init(jax.random.PRNGKey(2), y)["params"]
+    jax.tree.map(np.testing.assert_array_equal, params,
+                 make(False).init(jax.random.PRNGKey(2), y)["params"])
+    params = jax.tree.map(lambda p: p + 0.1, params)
+    product, bias = make(True).apply({"params": params}, y)
+    np.testing.assert_array_equal(product + bias, make(False).apply({"params": params}, y))

@@ -534,6 +534,10 @@ def mlp(x, w1, b1, w2, b2, kernels: MlpKernels = DEFAULT_KERNELS, interpret: boo
   GELU evaluated in float32), with the GELU and its derivative inside the
   kernels above; the kernels take the GELU of the float32 pre-activation,
   where models.vit.Mlp rounds it to bf16 first.
+
+  ``b2=None``: no fc2 bias here (no add, no gradient), for a caller that
+  adds it elsewhere (models.vit.Mlp's ``defer_bias``: in the next norm's
+  kernel).
   """
   return _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret)[0]
 
@@ -543,7 +547,9 @@ def _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret):
   x2 = _flat(x)
   g, dg = dense_gelu(x2, w1.astype(dt), b1.astype(dt), tiling=kernels.fwd,
                      interpret=interpret)
-  y = jnp.dot(g, w2.astype(dt)) + b2.astype(dt)
+  y = jnp.dot(g, w2.astype(dt))
+  if b2 is not None:
+    y = y + b2.astype(dt)
   return y.reshape(x.shape[:-1] + y.shape[-1:]), (x2, w1, b1, w2, b2, g, dg)
 
 
@@ -558,10 +564,10 @@ def _mlp_bwd(kernels, interpret, res, dy):
   dy2 = _flat(dy).astype(dt)
   dh, db1 = matmul_scaled(dy2, w2.astype(dt).T, dg, col_sums=True, tiling=kernels.bwd,
                           interpret=interpret)
-  db2 = jnp.sum(dy2.astype(jnp.float32), axis=0)
+  db2 = None if b2 is None else jnp.sum(dy2.astype(jnp.float32), axis=0).astype(b2.dtype)
   dx = lax.dot_general(dh, w1.astype(dt), (((1,), (1,)), ((), ())))
   return (dx.reshape(dy.shape[:-1] + x2.shape[-1:]), _wgrad(x2, dh).astype(w1.dtype),
-          db1.astype(b1.dtype), _wgrad(g, dy2).astype(w2.dtype), db2.astype(b2.dtype))
+          db1.astype(b1.dtype), _wgrad(g, dy2).astype(w2.dtype), db2)
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -39,6 +39,16 @@ rounded to bf16), so the model's numbers do not change. The backward is
 ``y`` unchanged), and reads no cotangent for ``s`` where ``s`` goes unused
 (a final norm).
 
+``add_bias_layer_norm(x, y, y_bias, scale, bias) -> (s, LN(s))`` with ``s =
+x + (y + y_bias)`` also adds the bias of the projection that made ``y``
+(the attention output projection's, the MLP's fc2's; "deferred bias"), as
+XLA rounds ``x + (y + y_bias)``. In a GPU profile of the ViT-H/14 step
+(batch 192, H200, with the add above fused) those two bias adds were
+passes of their own, ``attn/out/add`` and ``mlp/add``, 2.5 ms each of a
+410 ms step, each reading and writing a [rows, width] bf16 array; here the
+bias is a ``[width]`` vector read by the kernel that reads ``y`` anyway.
+Its gradient is the sum of the sum's gradient over the rows, in XLA.
+
 Triton blocks are powers of two, so a row is held as power-of-two chunks
 (ViT-H's 1280 as 1024 + 256; ``chunks``). On CPU the kernels run in
 Pallas's interpreter (tests); on TPUs use XLA's (``model.norm_impl='xla'``).
@@ -152,11 +162,15 @@ def _vector(ref, start, size):
   return ref[pl.dslice(start, size)].astype(jnp.float32)
 
 
-def _forward_kernel(*refs, eps, block_rows, has_add):
-  if has_add:
-    x_ref, add_ref, scale_ref, bias_ref, s_ref, y_ref, mean_ref, rstd_ref = refs
-  else:
-    x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
+def _forward_kernel(*refs, eps, block_rows, has_add, has_add_bias):
+  # inputs x [, add [, add_bias]], scale, bias; outputs [s,] y, mean, rstd
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  add_ref = refs.pop(0) if has_add else None
+  add_bias_ref = refs.pop(0) if has_add_bias else None
+  scale_ref, bias_ref = refs.pop(0), refs.pop(0)
+  s_ref = refs.pop(0) if has_add else None
+  y_ref, mean_ref, rstd_ref = refs
   n, width = x_ref.shape
   rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
   rmask = rows < n
@@ -167,7 +181,12 @@ def _forward_kernel(*refs, eps, block_rows, has_add):
     # a float32 add rounded to bf16); the norm is of the rounded sum, which is
     # also what the backward reads back
     for i, (start, size) in enumerate(parts):
-      s = (xs[i] + _load(add_ref, rows, rmask, start, size)).astype(s_ref.dtype)
+      add = _load(add_ref, rows, rmask, start, size)
+      if has_add_bias:
+        # the added operand's deferred bias, rounded as XLA's add + bias is
+        # (to add's dtype) before the residual add: x + (add + add_bias)
+        add = (add + _vector(add_bias_ref, start, size)[None, :]).astype(add_ref.dtype)
+      s = (xs[i] + add.astype(jnp.float32)).astype(s_ref.dtype)
       _store(s_ref, rows, rmask, start, s)
       xs[i] = s.astype(jnp.float32)
   mean = sum(jnp.sum(x, axis=1) for x in xs) / width
@@ -250,18 +269,24 @@ def forward(x, scale, bias, *, eps: float, blocks: Blocks = DEFAULT_BLOCKS,
   return y, stats
 
 
-def add_forward(x, y, scale, bias, *, eps: float, blocks: Blocks = DEFAULT_BLOCKS,
-                interpret: bool = False):
-  """``(s, LN(s), (mean, rstd))`` for ``s = x + y`` (in ``x``'s dtype), in one kernel."""
+def add_forward(x, y, scale, bias, *, y_bias=None, eps: float,
+                blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
+  """``(s, LN(s), (mean, rstd))`` for ``s = x + y`` (in ``x``'s dtype), in one
+  kernel; ``s = x + (y + y_bias)`` given ``y_bias`` ``[width]``, the inner
+  sum rounded to ``y``'s dtype."""
   if y.shape != x.shape:
     raise ValueError(f"add_layer_norm: x {x.shape} and y {y.shape} must have the same shape "
                      "(the kernel adds them row by row; broadcast y first)")
-  return _forward(x, y, scale, bias, eps, blocks, interpret)
+  if y_bias is not None and y_bias.shape != x.shape[-1:]:
+    raise ValueError(f"add_bias_layer_norm: y_bias {y_bias.shape} must be [width] for "
+                     f"x {x.shape}")
+  return _forward(x, y, scale, bias, eps, blocks, interpret, y_bias)
 
 
-def _forward(x, add, scale, bias, eps, blocks, interpret):
-  """The forward kernel: ``(s, LN(s), (mean, rstd))`` for ``s = x + add``,
-  or ``(None, LN(x), (mean, rstd))`` where ``add`` is None."""
+def _forward(x, add, scale, bias, eps, blocks, interpret, add_bias=None):
+  """The forward kernel: ``(s, LN(s), (mean, rstd))`` for ``s = x + add``
+  (``x + (add + add_bias)`` given ``add_bias``), or ``(None, LN(x), (mean,
+  rstd))`` where ``add`` is None."""
   _check(x, scale, bias)
   width = x.shape[-1]
   x2 = x.reshape(-1, width)
@@ -269,14 +294,18 @@ def _forward(x, add, scale, bias, eps, blocks, interpret):
   row_out = jax.ShapeDtypeStruct(x2.shape, x.dtype)
   stat = jax.ShapeDtypeStruct((n,), jnp.float32)
   inputs = (x2,) if add is None else (x2, add.reshape(-1, width))
+  if add_bias is not None:
+    inputs += (add_bias,)
+  name = ("layer_norm_fwd" if add is None else
+          "add_layer_norm_fwd" if add_bias is None else "add_bias_layer_norm_fwd")
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, eps=eps, block_rows=blocks.rows,
-                        has_add=add is not None),
+                        has_add=add is not None, has_add_bias=add_bias is not None),
       grid=(pl.cdiv(n, blocks.rows),),
-      out_shape=(row_out,) * len(inputs) + (stat, stat),   # [s,] y, mean, rstd
+      # [s,] y, mean, rstd
+      out_shape=(row_out,) * (1 if add is None else 2) + (stat, stat),
       compiler_params=pltriton.CompilerParams(num_warps=blocks.warps),
-      interpret=interpret,
-      name="layer_norm_fwd" if add is None else "add_layer_norm_fwd")(*inputs, scale, bias)
+      interpret=interpret, name=name)(*inputs, scale, bias)
   *out, mean, rstd = outs
   s = None if add is None else out[0].reshape(x.shape)
   return s, out[-1].reshape(x.shape), (mean, rstd)
@@ -412,3 +441,41 @@ def _add_bwd(eps, blocks, interpret, saved, cotangents):
 
 
 add_layer_norm.defvjp(_add_fwd, _add_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def add_bias_layer_norm(x, y, y_bias, scale, bias, eps: float = 1e-6,
+                        blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
+  """``add_layer_norm`` with the added operand's bias deferred into the
+  kernel: ``(s, LN(s) * scale + bias)`` for ``s = x + (y + y_bias)``, where
+  ``y`` is a projection's product and ``y_bias`` ``[width]`` its bias (in
+  ``y``'s dtype), handed on apart so that no pass of XLA's own adds them.
+  ``y + y_bias`` is rounded to ``y``'s dtype, then ``s`` to ``x``'s, as
+  XLA's ``x + (y + y_bias)`` is (the same bits).
+
+  The gradient is ``add_layer_norm``'s: one cotangent ``d`` of ``s`` given to
+  ``x`` and ``y`` both, and ``y_bias``'s the sum of ``d`` over the rows (in
+  float32, then ``y_bias``'s dtype); a symbolically zero cotangent of ``s``
+  is not read."""
+  s, out, _ = add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps, blocks=blocks,
+                          interpret=interpret)
+  return s, out
+
+
+def _add_bias_fwd(x, y, y_bias, scale, bias, eps, blocks, interpret):
+  x, y, y_bias, scale, bias = (a.value for a in (x, y, y_bias, scale, bias))
+  s, out, (mean, rstd) = add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps,
+                                     blocks=blocks, interpret=interpret)
+  return (s, out), (s, scale, mean, rstd, jnp.zeros((0,), y.dtype),
+                    jnp.zeros((0,), y_bias.dtype))
+
+
+def _add_bias_bwd(eps, blocks, interpret, saved, cotangents):
+  *saved, bias_like = saved
+  d, dy, dscale, dbias = _add_bwd(eps, blocks, interpret, tuple(saved), cotangents)
+  rows = tuple(range(d.ndim - 1))
+  dy_bias = jnp.sum(d.astype(jnp.float32), axis=rows).astype(bias_like.dtype)
+  return d, dy, dy_bias, dscale, dbias
+
+
+add_bias_layer_norm.defvjp(_add_bias_fwd, _add_bias_bwd, symbolic_zeros=True)

@@ -133,6 +133,39 @@ class QkvProjection(nn.Module):
     return product, bias
 
 
+class DenseBiasApart(nn.Module):
+  """``nn.DenseGeneral(features, axis)`` (``axis`` the trailing input axes it
+  contracts; ``(-1,)`` is ``nn.Dense``) returning its product and bias apart,
+  ``(x W, bias)``, both in ``dtype``: the bias is added in the next norm's
+  kernel (vit.Block, ``norm_impl='triton'``) instead of in a pass of XLA's
+  own over the product.
+
+  Parameters, their names, shapes and initialisation (``kernel_init`` of the
+  flattened 2D kernel, reshaped), the dtype promotion and ``product + bias``
+  are those of ``nn.DenseGeneral`` (tests check them).
+  """
+  features: int
+  axis: tuple[int, ...] = (-1,)
+  dtype: Any = jnp.float32
+  kernel_init: Any = OUT_INIT
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    axes = tuple(sorted(a % x.ndim for a in self.axis))
+    if axes != tuple(range(x.ndim - len(axes), x.ndim)):
+      raise ValueError(f"DenseBiasApart contracts trailing axes, not {self.axis} of {x.shape}")
+    fan_in = tuple(x.shape[a] for a in axes)
+
+    def kernel_init(key, shape, dtype=jnp.float32):   # fans of the 2D kernel, as DenseGeneral
+      return self.kernel_init(key, (math.prod(fan_in), self.features), dtype).reshape(shape)
+
+    kernel = self.param("kernel", kernel_init, fan_in + (self.features,), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    contract = (axes, tuple(range(len(axes))))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ()))), bias
+
+
 def qkv_projection(x, num_heads: int, dtype) -> jax.Array:
   """The fused q/k/v projection with its bias (submodule ``qkv`` of the
   calling module): ``x [B, T, D]`` -> ``[B, T, 3, heads, head_dim]``.
@@ -184,11 +217,16 @@ def _hopper_qkv_attention(product, bias, rope):
 
 
 class MultiHeadAttention(nn.Module):
-  """Pre-projected multi-head attention; RoPE tables are passed in, not rebuilt."""
+  """Pre-projected multi-head attention; RoPE tables are passed in, not rebuilt.
+
+  ``defer_bias``: return the output projection's product and bias apart,
+  ``(product, bias)`` (``DenseBiasApart``), for the caller to add the bias
+  in its next norm's kernel (vit.Block); the same parameters either way."""
   num_heads: int
   causal: bool = True
   impl: str = "xla"
   dtype: Any = jnp.float32
+  defer_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
@@ -201,6 +239,8 @@ class MultiHeadAttention(nn.Module):
     if out is None:
       q, k, v = split_qkv(product + bias, rope)
       out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
+    if self.defer_bias:
+      return DenseBiasApart(width, (-2, -1), self.dtype, OUT_INIT, name="out")(out)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
                            kernel_init=OUT_INIT, name="out")(out)
 

@@ -80,12 +80,13 @@ class PatchDecoder(nn.Module):
       if noisy is not None:
         h = h + dense(self.width, "noisy_embed")(noisy)
       # each residual add is the next norm's ``add`` (in its kernel with
-      # norm_impl='triton', as in vit.Block)
+      # norm_impl='triton', fc2's bias too, as in vit.Block)
+      defer = vit_lib.defers_bias(self.norm_impl, 0.0)
       branch = None
       for i in range(self.depth):
         h, y = vit_lib.pre_norm(self.norm_impl, self.dtype, f"norm_{i}", h, add=branch)
         branch = vit_lib.Mlp(self.width * self.mlp_ratio, dtype=self.dtype,
-                             impl=self.mlp_impl, name=f"mlp_{i}")(y)
+                             impl=self.mlp_impl, defer_bias=defer, name=f"mlp_{i}")(y)
       h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", h, add=branch)
       return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
@@ -101,7 +102,8 @@ class PatchDecoder(nn.Module):
     # The blocks add their outputs in XLA (vit.Block's add between blocks is
     # not deferred here): the final norm reads one token of two, and XLA
     # fuses the last add with that slice, cheaper than slicing both operands
-    # for a fused add. The add inside each block is in norm2's kernel.
+    # for a fused add. The add inside each block (with the attention's
+    # output bias) is in norm2's kernel.
     for i in range(self.depth):
       h = vit_lib.Block(self.num_heads, self.width * self.mlp_ratio, causal=False,
                         dtype=self.dtype, mlp_impl=self.mlp_impl, norm_impl=self.norm_impl,

@@ -150,9 +150,14 @@ def _hopper_kernels_fit(x, hidden: int, dtype) -> bool:
 
 
 class Mlp(nn.Module):
+  """fc1, exact GELU, fc2. ``defer_bias``: return fc2's product and bias
+  apart, ``(product, bias)`` (the bias in ``dtype``), for the caller to add
+  the bias in its next norm's kernel (Block); the same parameters either
+  way."""
   hidden: int
   dtype: Any = jnp.float32
   impl: str = "xla"
+  defer_bias: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -163,12 +168,16 @@ class Mlp(nn.Module):
       w1, b1 = DenseParams(self.hidden, name="fc1")(width)
       w2, b2 = DenseParams(width, name="fc2")(self.hidden)
       # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
-      return hopper_mlp.mlp(x.astype(self.dtype), w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
-                            jax.default_backend() != "gpu")
+      y = hopper_mlp.mlp(x.astype(self.dtype), w1, b1, w2, None if self.defer_bias else b2,
+                         hopper_mlp.DEFAULT_KERNELS, jax.default_backend() != "gpu")
+      # deferred, the bias in the dtype that mlp would have added it in
+      return (y, b2.astype(self.dtype)) if self.defer_bias else y
     h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
     # Exact (erf) GELU as in the standard ViT, so exported weights behave the
     # same; see gelu_exact for how it is computed.
     h = gelu_exact(h)
+    if self.defer_bias:
+      return attention_lib.DenseBiasApart(width, (-1,), self.dtype, DENSE_INIT, name="fc2")(h)
     return nn.Dense(width, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc2")(h)
 
 
@@ -177,7 +186,7 @@ class Mlp(nn.Module):
 # pass over the tokens each way, with the residual stream's gradient added in
 # the norm's backward (benchmarks/RESULTS.md has the speed-up), and each
 # residual add done in the forward kernel of the norm that follows it (see
-# Block).
+# Block), with the bias of the projection that ends the branch.
 NORM_IMPLS = ("xla", "triton")
 
 
@@ -187,13 +196,23 @@ def check_norm_impl(name: str) -> str:
   return name
 
 
+def branch_value(branch):
+  """A residual branch's value: the array itself, or ``product + bias`` for a
+  branch handed on as the pair ``(product, bias)`` (a deferred bias, Block)."""
+  if isinstance(branch, tuple):
+    product, bias = branch
+    return product + bias
+  return branch
+
+
 class TritonLayerNorm(nn.Module):
   """nn.LayerNorm (same parameter names, shapes, initialisers, epsilon and
   float32 statistics) on the fused kernels. ``residual=True`` returns
   ``(x, LN(x))``: ``x`` handed on unchanged for the residual add, so that its
   gradient joins the norm's in one backward pass. ``add=y`` returns ``(s,
   LN(s))`` for ``s = x + y``, the add done in the norm's forward kernel (the
-  gradient as with ``residual``)."""
+  gradient as with ``residual``); ``add=(y, b)`` (a branch with its bias
+  deferred) for ``s = x + (y + b)``, the bias added in the same kernel."""
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -208,6 +227,11 @@ class TritonLayerNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (width,), jnp.float32)
     # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
     interpret = jax.default_backend() != "gpu"
+    if isinstance(add, tuple):
+      product, add_bias = add
+      s, y = layer_norm.add_bias_layer_norm(x, product, add_bias, scale, bias, LN_EPS,
+                                            layer_norm.DEFAULT_BLOCKS, interpret)
+      return s, y.astype(self.dtype)
     if add is not None:
       s, y = layer_norm.add_layer_norm(x, add, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS,
                                        interpret)
@@ -221,14 +245,15 @@ class TritonLayerNorm(nn.Module):
 
 def final_norm(impl: str, dtype, name: str, x, add=None):
   """LN(x) by ``impl`` (NORM_IMPLS), for a norm whose input is not used
-  again; ``LN(x + add)`` if ``add`` is given (the triton norm adds in its
+  again; ``LN(x + add)`` if ``add`` is given, an array or a ``(product,
+  bias)`` pair (``branch_value``; the triton norm adds either in its
   kernel). Call from a compact method: the norm's parameters go under ``name``."""
   if check_norm_impl(impl) == "triton":
     if add is not None:   # the sum goes unused: its gradient is a symbolic zero, not read
       return TritonLayerNorm(dtype=dtype, name=name)(x, add=add)[1]
     return TritonLayerNorm(dtype=dtype, name=name)(x)
   if add is not None:
-    x = x + add
+    x = x + branch_value(add)
   return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)(x)
 
 
@@ -237,12 +262,22 @@ def pre_norm(impl: str, dtype, name: str, x, add=None):
   norm adds the residual's gradient in its own backward. With ``add`` (the
   residual add before the norm), ``(s, LN(s))`` for ``s = x + add``: the
   triton norm reads ``x`` and ``add`` and writes both in one kernel, where
-  XLA would add in a pass of its own and the norm read the sum back."""
+  XLA would add in a pass of its own and the norm read the sum back.
+  ``add`` may be a ``(product, bias)`` pair (``branch_value``), its bias
+  then added in the same kernel."""
   if check_norm_impl(impl) == "triton":
     return TritonLayerNorm(dtype=dtype, name=name)(x, residual=True, add=add)
   if add is not None:
-    x = x + add
+    x = x + branch_value(add)
   return x, final_norm(impl, dtype, name, x)
+
+
+def defers_bias(norm_impl: str, drop_path: float) -> bool:
+  """Whether a Block hands its branches on as ``(product, bias)`` pairs, the
+  bias added in the next norm's kernel: with the triton norms, on branches
+  without drop path (a dropped branch's bias is dropped with it, so it would
+  be scaled per example before the add)."""
+  return norm_impl == "triton" and drop_path == 0
 
 
 class Block(nn.Module):
@@ -257,12 +292,21 @@ class Block(nn.Module):
   then read back; fused, that read is saved (about 1.4 ms a step by bytes
   moved; darl_jax/kernels/layer_norm.py has a timing).
 
+  The biases of the projections that end the branches (the attention's
+  output projection, the MLP's fc2) are added in the same kernels
+  (``defers_bias``: triton norms, no drop path): the projections return
+  ``(product, bias)`` and the norm adds ``x + (product + bias)``, rounded
+  as XLA would. In the ViT-H/14 step (batch 192, H200; a GPU profile) those
+  bias adds, ``attn/out/add`` and ``mlp/add``, were passes of their own,
+  2.5 ms each of 410 ms, each reading and writing a [rows, width] array.
+
   For the add between blocks the block hands its output on un-added:
   ``return_branch=True`` returns ``(x, branch)`` with the output ``x +
-  branch`` (``branch`` drop-pathed already), and ``branch=`` takes the
-  previous block's, so that this block's input is ``x + branch``, added in
-  norm1. With ``norm_impl='xla'`` the same arguments add in XLA. The
-  parameters are the same either way."""
+  branch`` (``branch`` drop-pathed already; a ``(product, bias)`` pair where
+  the bias is deferred, see ``branch_value``), and ``branch=`` takes the
+  previous block's, array or pair, so that this block's input is ``x +
+  branch``, added in norm1. With ``norm_impl='xla'`` the same arguments add
+  in XLA. The parameters are the same either way."""
   num_heads: int
   mlp_dim: int
   causal: bool = True
@@ -275,21 +319,27 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True, branch=None):
+    defer = defers_bias(self.norm_impl, self.drop_path)
     x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x, add=branch)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
-        dtype=self.dtype, name="attn")(y, rope, mask)
-    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x,
-                    add=DropPath(self.drop_path)(y, deterministic))
-    y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, name="mlp")(y)
-    y = DropPath(self.drop_path)(y, deterministic)
-    return (x, y) if self.return_branch else x + y
+        dtype=self.dtype, defer_bias=defer, name="attn")(y, rope, mask)
+    if not defer:
+      y = DropPath(self.drop_path)(y, deterministic)
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x, add=y)
+    y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, defer_bias=defer,
+            name="mlp")(y)
+    if not defer:
+      y = DropPath(self.drop_path)(y, deterministic)
+    return (x, y) if self.return_branch else x + branch_value(y)
 
 
 class ScanBlock(nn.Module):
   """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants.
   ``fuse_add``: the carry is ``(x, branch)`` (``Block.return_branch``), the
-  add between blocks done in the next block's norm1."""
+  add between blocks done in the next block's norm1; ``branch`` is the pair
+  ``(product, bias)`` (the blocks defer their biases: triton norms, and no
+  drop path under scan)."""
   block_kwargs: dict
   deterministic: bool = True
   fuse_add: bool = False
@@ -300,7 +350,8 @@ class ScanBlock(nn.Module):
       x, branch = carry
       x, branch = Block(**self.block_kwargs, return_branch=True, name="block")(
           x, rope, None, self.deterministic, branch)
-      return (x, branch), x + branch   # the block output, for probes (unused: removed)
+      # the block output, for probes (unused: removed)
+      return (x, branch), x + branch_value(branch)
     x = Block(**self.block_kwargs, name="block")(carry, rope, None, self.deterministic)
     return x, x
 
@@ -404,12 +455,13 @@ class ViT(nn.Module):
         raise ValueError(f"unknown remat {self.remat!r}; valid: none, {', '.join(policy)}")
       block_cls = nn.remat(Block, policy=policy[self.remat], static_argnums=(4,))
     # With the triton norms each block's last residual add is done in the
-    # next norm's kernel (Block): blocks hand on (x, branch) un-added, and
-    # the block outputs are x + branch in XLA, an add that XLA drops where
-    # they go unused (pretraining). Not under remat: a checkpointed block
-    # keeps its inputs for the backward, and (x, branch) would double the
-    # activations that remat='full' keeps (memory.py); the adds inside the
-    # block are fused there still.
+    # next norm's kernel (Block): blocks hand on (x, branch) un-added (branch
+    # a (product, bias) pair where the block defers its bias, defers_bias),
+    # and the block outputs are x + branch in XLA, an add that XLA drops
+    # where they go unused (pretraining). Not under remat: a checkpointed
+    # block keeps its inputs for the backward, and (x, branch) would double
+    # the activations that remat='full' keeps (memory.py); the adds inside
+    # the block (and the attention bias, in norm2) are fused there still.
     fuse = self.norm_impl == "triton" and self.remat == "none"
     branch = None
     if self.scan_layers:
@@ -421,11 +473,13 @@ class ViT(nn.Module):
       stack = nn.scan(scan_cls, variable_axes={"params": 0},
                       split_rngs={"params": True, "dropout": True},
                       in_axes=nn.broadcast, length=self.depth)
-      # fused, the carry is (x, branch) and the first block's branch zeros
-      # (every step is the same function; x + 0 is x): a memset and a read
-      # of zeros instead of depth adds. The stacked block outputs x + branch
+      # fused, the carry is (x, (product, bias)) (the blocks defer their
+      # biases, defers_bias) and the first block's branch zeros (every step
+      # is the same function; x + (0 + 0) is x): a memset and a read of
+      # zeros instead of depth adds. The stacked block outputs x + branch
       # are dropped with the scan's other unused outputs where unused.
-      carry = (x, jnp.zeros_like(x)) if fuse else x
+      zero_branch = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], x.dtype))
+      carry = (x, zero_branch) if fuse else x
       carry, ys = stack(self._block_kwargs(0), not train, fuse, name="blocks")(carry, rope)
       x, branch = carry if fuse else (carry, None)
       for i in range(self.depth):
@@ -435,7 +489,7 @@ class ViT(nn.Module):
         if fuse:
           x, branch = block_cls(**self._block_kwargs(i), return_branch=True,
                                 name=f"block_{i:02d}")(x, rope, None, not train, branch)
-          out[f"block_{i:02d}"] = x + branch
+          out[f"block_{i:02d}"] = x + branch_value(branch)
         else:
           x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(
               x, rope, None, not train)
