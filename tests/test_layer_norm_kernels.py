@@ -175,25 +175,30 @@ def test_add_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
 
 
 def _add_bias_reference(x, y, y_bias, scale, bias):
-  """XLA's x + (y + y_bias), then the float32 LayerNorm."""
-  return _add_reference(x, y + y_bias, scale, bias)
+  """XLA's x + (y + y_bias) (the bias cast to y's dtype first, as a Dense
+  layer casts it), then the float32 LayerNorm."""
+  return _add_reference(x, y + y_bias.astype(y.dtype), scale, bias)
 
 
-def _bias_inputs(x, y_dtype):
+def _bias_inputs(x, y_dtype, bias_dtype=None):
   k = jax.random.split(jax.random.key(7), 4)
   y = jax.random.normal(k[0], x.shape).astype(y_dtype)
-  y_bias = (0.5 * jax.random.normal(k[1], x.shape[-1:])).astype(y_dtype)
+  y_bias = (0.5 * jax.random.normal(k[1], x.shape[-1:])).astype(bias_dtype or y_dtype)
   return y, y_bias, jax.random.normal(k[2], x.shape), jax.random.normal(k[3], x.shape)
 
 
+# bias_dtype float32: the model's case (the parameter handed on as it is)
 @pytest.mark.parametrize("width", [64, 80])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_add_bias_layer_norm_is_xlas_adds_then_the_norm(width, dtype):
+@pytest.mark.parametrize("bias_dtype", [None, jnp.float32])
+def test_add_bias_layer_norm_is_xlas_adds_then_the_norm(width, dtype, bias_dtype):
   x, scale, bias, _, _ = _inputs(width, dtype)
-  y, y_bias, _, _ = _bias_inputs(x, dtype)
+  y, y_bias, _, _ = _bias_inputs(x, dtype, bias_dtype)
   s, out = ln.add_bias_layer_norm(x, y, y_bias, scale, bias, EPS, SMALL, True)
-  # rounded as XLA rounds x + (y + y_bias): the inner sum, then the outer
-  assert s.dtype == dtype and np.array_equal(np.asarray(s), np.asarray(x + (y + y_bias)))
+  # rounded as XLA rounds x + (y + y_bias): the bias to y's dtype, the inner
+  # sum, then the outer
+  want = x + (y + y_bias.astype(dtype))
+  assert s.dtype == dtype and np.array_equal(np.asarray(s), np.asarray(want))
   if dtype == jnp.bfloat16:   # one rounding of x + y + y_bias would differ
     assert not np.array_equal(np.asarray(s), np.asarray(
         (x.astype(jnp.float32) + y + y_bias.astype(jnp.float32)).astype(dtype)))
@@ -211,11 +216,14 @@ def test_add_bias_layer_norm_is_xlas_adds_then_the_norm(width, dtype):
                                              (jnp.bfloat16, jnp.bfloat16),
                                              (jnp.float32, jnp.bfloat16)])
 @pytest.mark.parametrize("use_sum", [True, False])
-def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
+@pytest.mark.parametrize("bias_dtype", [None, jnp.float32])
+def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum, bias_dtype):
   """dx, dy, dy_bias, dscale, dbias as jax.grad of XLA's adds and a float32
-  LayerNorm; dx and dy are add_layer_norm's, dy_bias their row sum (float32)."""
+  LayerNorm; dx and dy are add_layer_norm's, dy_bias their row sum (float32,
+  then the bias's dtype: a float32 bias gets the float32 sum)."""
   x, scale, bias, _, _ = _inputs(width, x_dtype)
-  y, y_bias, r_sum, r_out = _bias_inputs(x, y_dtype)
+  y, y_bias, r_sum, r_out = _bias_inputs(x, y_dtype, bias_dtype)
+  bias_dtype = y_bias.dtype
 
   def loss(f):
     def g(*args):
@@ -228,16 +236,16 @@ def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
   grad = jax.grad(loss(lambda *a: ln.add_bias_layer_norm(*a, EPS, SMALL, True)), range(5))
   got = grad(*args)
   want = jax.grad(loss(_add_bias_reference), range(5))(*args)
-  add_got = jax.grad(loss(lambda x, y, *a: ln.add_layer_norm(x, y + y_bias, *a, EPS, SMALL,
-                                                              True)), (0, 1))(x, y, scale, bias)
+  add_got = jax.grad(loss(lambda x, y, *a: ln.add_layer_norm(
+      x, y + y_bias.astype(y.dtype), *a, EPS, SMALL, True)), (0, 1))(x, y, scale, bias)
   if width == 64:   # the sum's cotangent is read only where it has one
     bwd = [e for e in jax.make_jaxpr(grad)(*args).eqns if e.params.get("name") == "layer_norm_bwd"]
     assert [len(e.invars) for e in bwd] == [6 if use_sum else 5]
-  assert [a.dtype for a in got] == [x_dtype, y_dtype, y_dtype, jnp.float32, jnp.float32]
+  assert [a.dtype for a in got] == [x_dtype, y_dtype, bias_dtype, jnp.float32, jnp.float32]
   for a, b in zip(got[:2], add_got):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(
-      np.asarray(got[2]), np.asarray(jnp.sum(got[0].astype(jnp.float32), 0).astype(y_dtype)))
+      np.asarray(got[2]), np.asarray(jnp.sum(got[0].astype(jnp.float32), 0).astype(bias_dtype)))
   # XLA's own y_bias gradient is a row sum in y's dtype (bf16 on the CPU,
   # less accurate than the kernel's float32 sum): take the float32 row sum
   # of its dy instead

@@ -368,7 +368,8 @@ def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
   """MultiHeadAttention's out and Mlp's fc2 with ``defer_bias`` return the
   product and bias apart: the same parameters (names, shapes, dtypes and
   initial values for the same rng) as nn.DenseGeneral / nn.Dense, and
-  ``product + bias`` is their output, bit for bit."""
+  ``product + bias`` (the bias cast to the product's dtype, vit.branch_value)
+  is their output, bit for bit."""
   from flax import linen as nn
   from darl_jax.models import attention
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 4, 16), dtype)   # [B, T, heads, head_dim]
@@ -384,8 +385,11 @@ def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
     jax.tree.map(np.testing.assert_array_equal, params, want)
     params = jax.tree.map(lambda p: p + 0.1, params)   # a bias that shows
     product, bias = apart.apply({"params": params}, x)
-    assert product.dtype == bias.dtype == dtype and bias.shape == (product.shape[-1],)
-    np.testing.assert_array_equal(product + bias, flax_layer.apply({"params": params}, x))
+    # the bias stays the float32 parameter (its gradient a float32 sum)
+    assert product.dtype == dtype and bias.dtype == jnp.float32
+    assert bias.shape == (product.shape[-1],)
+    np.testing.assert_array_equal(vit.branch_value((product, bias)),
+                                  flax_layer.apply({"params": params}, x))
   # inside the modules: same trees and initial values, product + bias the output
   y = x.reshape(2, 5, 64)
   for make in (lambda d: vit.Mlp(128, dtype=dtype, defer_bias=d),
@@ -394,5 +398,6 @@ def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
     jax.tree.map(np.testing.assert_array_equal, params,
                  make(False).init(jax.random.PRNGKey(2), y)["params"])
     params = jax.tree.map(lambda p: p + 0.1, params)
-    product, bias = make(True).apply({"params": params}, y)
-    np.testing.assert_array_equal(product + bias, make(False).apply({"params": params}, y))
+    branch = make(True).apply({"params": params}, y)
+    np.testing.assert_array_equal(vit.branch_value(branch),
+                                  make(False).apply({"params": params}, y))

@@ -185,7 +185,10 @@ def _forward_kernel(*refs, eps, block_rows, has_add, has_add_bias):
       if has_add_bias:
         # the added operand's deferred bias, rounded as XLA's add + bias is
         # (to add's dtype) before the residual add: x + (add + add_bias)
-        add = (add + _vector(add_bias_ref, start, size)[None, :]).astype(add_ref.dtype)
+        # (a float32 bias is rounded to add's dtype first, as XLA's bf16
+        # Dense casts its bias before adding it)
+        add_bias = _vector(add_bias_ref, start, size).astype(add_ref.dtype).astype(jnp.float32)
+        add = (add + add_bias[None, :]).astype(add_ref.dtype)
       s = (xs[i] + add.astype(jnp.float32)).astype(s_ref.dtype)
       _store(s_ref, rows, rmask, start, s)
       xs[i] = s.astype(jnp.float32)
@@ -448,15 +451,17 @@ def add_bias_layer_norm(x, y, y_bias, scale, bias, eps: float = 1e-6,
                         blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False):
   """``add_layer_norm`` with the added operand's bias deferred into the
   kernel: ``(s, LN(s) * scale + bias)`` for ``s = x + (y + y_bias)``, where
-  ``y`` is a projection's product and ``y_bias`` ``[width]`` its bias (in
-  ``y``'s dtype), handed on apart so that no pass of XLA's own adds them.
-  ``y + y_bias`` is rounded to ``y``'s dtype, then ``s`` to ``x``'s, as
-  XLA's ``x + (y + y_bias)`` is (the same bits).
+  ``y`` is a projection's product and ``y_bias`` ``[width]`` its bias (any
+  float dtype; the model hands on the float32 parameter), handed on apart so
+  that no pass of XLA's own adds them. ``y_bias`` is rounded to ``y``'s
+  dtype, ``y + y_bias`` to ``y``'s dtype, then ``s`` to ``x``'s, as XLA's
+  ``x + (y + y_bias.astype(y.dtype))`` is (the same bits).
 
   The gradient is ``add_layer_norm``'s: one cotangent ``d`` of ``s`` given to
   ``x`` and ``y`` both, and ``y_bias``'s the sum of ``d`` over the rows (in
-  float32, then ``y_bias``'s dtype); a symbolically zero cotangent of ``s``
-  is not read."""
+  float32, then ``y_bias``'s dtype: a float32 bias gets a float32 gradient,
+  where a bias cast to bf16 before its add would get a bf16 one); a
+  symbolically zero cotangent of ``s`` is not read."""
   s, out, _ = add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps, blocks=blocks,
                           interpret=interpret)
   return s, out

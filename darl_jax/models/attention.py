@@ -136,13 +136,16 @@ class QkvProjection(nn.Module):
 class DenseBiasApart(nn.Module):
   """``nn.DenseGeneral(features, axis)`` (``axis`` the trailing input axes it
   contracts; ``(-1,)`` is ``nn.Dense``) returning its product and bias apart,
-  ``(x W, bias)``, both in ``dtype``: the bias is added in the next norm's
-  kernel (vit.Block, ``norm_impl='triton'``) instead of in a pass of XLA's
-  own over the product.
+  ``(x W, bias)``, the product in ``dtype`` and the bias the float32
+  parameter: the bias is added in the next norm's kernel (vit.Block,
+  ``norm_impl='triton'``), rounded to the product's dtype there, instead of
+  in a pass of XLA's own over the product; its gradient is then a float32
+  sum.
 
   Parameters, their names, shapes and initialisation (``kernel_init`` of the
-  flattened 2D kernel, reshaped), the dtype promotion and ``product + bias``
-  are those of ``nn.DenseGeneral`` (tests check them).
+  flattened 2D kernel, reshaped), the dtype promotion and ``product +
+  bias.astype(product.dtype)`` are those of ``nn.DenseGeneral`` (tests check
+  them).
   """
   features: int
   axis: tuple[int, ...] = (-1,)
@@ -161,7 +164,7 @@ class DenseBiasApart(nn.Module):
 
     kernel = self.param("kernel", kernel_init, fan_in + (self.features,), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
     contract = (axes, tuple(range(len(axes))))
     return jax.lax.dot_general(x, kernel, (contract, ((), ()))), bias
 

@@ -151,7 +151,7 @@ def _hopper_kernels_fit(x, hidden: int, dtype) -> bool:
 
 class Mlp(nn.Module):
   """fc1, exact GELU, fc2. ``defer_bias``: return fc2's product and bias
-  apart, ``(product, bias)`` (the bias in ``dtype``), for the caller to add
+  apart, ``(product, bias)`` (the float32 bias parameter), for the caller to add
   the bias in its next norm's kernel (Block); the same parameters either
   way."""
   hidden: int
@@ -170,8 +170,9 @@ class Mlp(nn.Module):
       # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
       y = hopper_mlp.mlp(x.astype(self.dtype), w1, b1, w2, None if self.defer_bias else b2,
                          hopper_mlp.DEFAULT_KERNELS, jax.default_backend() != "gpu")
-      # deferred, the bias in the dtype that mlp would have added it in
-      return (y, b2.astype(self.dtype)) if self.defer_bias else y
+      # deferred, the float32 parameter: the norm rounds it to y's dtype for
+      # the add (as mlp would have) and its gradient stays a float32 sum
+      return (y, b2) if self.defer_bias else y
     h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=DENSE_INIT, name="fc1")(x)
     # Exact (erf) GELU as in the standard ViT, so exported weights behave the
     # same; see gelu_exact for how it is computed.
@@ -198,10 +199,11 @@ def check_norm_impl(name: str) -> str:
 
 def branch_value(branch):
   """A residual branch's value: the array itself, or ``product + bias`` for a
-  branch handed on as the pair ``(product, bias)`` (a deferred bias, Block)."""
+  branch handed on as the pair ``(product, bias)`` (a deferred bias, Block;
+  the bias rounded to the product's dtype first, as a Dense layer adds it)."""
   if isinstance(branch, tuple):
     product, bias = branch
-    return product + bias
+    return product + bias.astype(product.dtype)
   return branch
 
 
@@ -478,7 +480,7 @@ class ViT(nn.Module):
       # is the same function; x + (0 + 0) is x): a memset and a read of
       # zeros instead of depth adds. The stacked block outputs x + branch
       # are dropped with the scan's other unused outputs where unused.
-      zero_branch = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], x.dtype))
+      zero_branch = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], jnp.float32))
       carry = (x, zero_branch) if fuse else x
       carry, ys = stack(self._block_kwargs(0), not train, fuse, name="blocks")(carry, rope)
       x, branch = carry if fuse else (carry, None)
