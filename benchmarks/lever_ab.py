@@ -145,12 +145,15 @@ class MlpRecompute(nn.Module):
   hidden: int
   dtype: object = jnp.float32
   impl: str = "xla"
+  defer_bias: bool = False    # as vit.Mlp's: fc2's bias handed on apart
 
   @nn.compact
   def __call__(self, x):
     w1, b1 = vit.DenseParams(self.hidden, name="fc1")(x.shape[-1])
     w2, b2 = vit.DenseParams(x.shape[-1], name="fc2")(self.hidden)
     c = lambda a: a.astype(self.dtype)  # noqa: E731
+    if self.defer_bias:
+      return mlp_recompute(c(x), c(w1), c(b1), c(w2), jnp.zeros_like(c(b2))), b2
     return mlp_recompute(c(x), c(w1), c(b1), c(w2), c(b2))
 
 
