@@ -1,6 +1,7 @@
 """A quick check, on one Hopper GPU, of the kernels' numbers against XLA (under a minute).
 
     python benchmarks/kernel_check.py
+    python benchmarks/kernel_check.py --tiny     # small shapes; off the GPU, in the interpreters
 
 - ``hopper_attention.causal_attention_qkv`` with a q/k/v bias and RoPE at
   ViT-L/16's and ViT-H/14's head shapes (196 tokens and head dim 64, 256
@@ -19,6 +20,7 @@ the check that the compiled kernels agree with them. Figures:
 benchmarks/RESULTS.md ("twelfth session").
 """
 
+import argparse
 import os
 import sys
 
@@ -37,6 +39,10 @@ def rel(a, b) -> float:
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+# Off the GPU the kernels run in Pallas's interpreters (a smoke test of this script).
+INTERPRET = jax.default_backend() != "gpu"
+
+
 def check_attention(tokens: int, head_dim: int, batch: int = 16, heads: int = 4) -> str:
   k = jax.random.split(jax.random.key(0), 4)
   qkv = jax.random.normal(k[0], (batch, tokens, 3, heads, head_dim)).astype(jnp.bfloat16)
@@ -51,7 +57,9 @@ def check_attention(tokens: int, head_dim: int, batch: int = 16, heads: int = 4)
     q, kk = (posenc.apply_rope(x[:, :, i], cos, sin) for i in (0, 1))
     return jax.nn.dot_product_attention(q, kk, x[:, :, 2], is_causal=True)
 
-  out, vjp = jax.vjp(lambda x, b: ha.causal_attention_qkv(x, b, rope), qkv, bias)
+  tiling = ha.DEFAULT_ATTENTION_TILING
+  out, vjp = jax.vjp(lambda x, b: ha.causal_attention_qkv(x, b, rope, tiling, INTERPRET),
+                     qkv, bias)
   want, want_vjp = jax.vjp(reference, qkv, bias)
   got, ref = vjp(do), want_vjp(do.astype(jnp.float32))
   return (f"attention, {tokens} tokens, head dim {head_dim}: out {rel(out, want):.1e}, "
@@ -71,7 +79,7 @@ def check_add_bias_norm(width: int, rows: int = 4096) -> str:
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(s.astype(jnp.float32) * w[::-1])
 
   def kernel(*args):
-    s, out = ln.add_bias_layer_norm(*args)
+    s, out = ln.add_bias_layer_norm(*args, 1e-6, ln.DEFAULT_BLOCKS, INTERPRET)
     return loss(s, out), s
 
   def reference(x, y, y_bias, scale, bias):
@@ -91,7 +99,17 @@ def check_add_bias_norm(width: int, rows: int = 4096) -> str:
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tiny", action="store_true",
+                      help="4 images of 80 tokens, 2 heads; 37 rows of widths 64 and 80")
+  args = parser.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+  if args.tiny:
+    for head_dim in (64, 80):
+      print(check_attention(80, head_dim, batch=4, heads=2), flush=True)
+    for width in (64, 80):
+      print(check_add_bias_norm(width, rows=37), flush=True)
+    return
   for tokens, head_dim in ((196, 64), (256, 80)):
     print(check_attention(tokens, head_dim), flush=True)
   for width in (1024, 1280):

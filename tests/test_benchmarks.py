@@ -120,6 +120,21 @@ def test_layer_norm_bench_checks_and_times_each_setting():
     assert all(float(e) < 5e-3 for e in cells[5].split(",")), r
 
 
+def test_kernel_check_reports_small_errors():
+  """kernel_check.py's tiny shapes in the interpreters: the attention kernels
+  and add_bias_layer_norm within bf16 rounding of their references, and the
+  norm's sum the same bits as XLA's."""
+  import re
+  out = run("kernel_check.py", "--tiny")
+  lines = [line for line in out.splitlines() if line.startswith(("attention", "add_bias"))]
+  assert len(lines) == 4, out
+  for line in lines:
+    errors = [float(e) for e in re.findall(r" (\d\.\de[-+]\d\d)", line)]
+    assert len(errors) == (3 if line.startswith("attention") else 5), line
+    assert max(errors) < 2e-2, line
+    assert "add_bias" not in line or "the same bits: True" in line, line
+
+
 def test_sampling_benchmark_tiny():
   out = run("sampling_benchmark.py", "--tiny", "--batch_sizes=1,2", "--steps=2",
             "--repeats=1", "--dtype=float32")
