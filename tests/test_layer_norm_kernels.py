@@ -111,6 +111,27 @@ def test_plain_layer_norm_gradient(width):
     assert a.shape == b.shape and _rel(a, b) < 1e-5
 
 
+def _assert_statistics_are_the_sums(x, y, s, scale, bias, y_bias=None):
+  """The statistics the forward keeps for the backward are those of the sum ``s``."""
+  _, _, (mean, rstd) = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=EPS, blocks=SMALL,
+                                      interpret=True)
+  _, (mean_s, rstd_s) = ln.forward(s, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
+  np.testing.assert_array_equal(mean, mean_s)
+  np.testing.assert_array_equal(rstd, rstd_s)
+
+
+def _readout(r_sum, r_out, use_sum):
+  """``loss(f)``: a random readout of ``f``'s (sum, norm) outputs, or of the
+  norm's alone (a final norm: the sum's cotangent a symbolic zero)."""
+  def loss(f):
+    def g(*args):
+      s, out = f(*args)
+      total = jnp.sum(out.astype(jnp.float32) * r_out)
+      return total + jnp.sum(s.astype(jnp.float32) * r_sum) if use_sum else total
+    return g
+  return loss
+
+
 def _add_reference(x, y, scale, bias):
   """(x + y, LN(x + y)): XLA's add, then the float32 LayerNorm."""
   s = x + y
@@ -129,11 +150,7 @@ def test_add_layer_norm_is_xlas_add_then_the_norm(width, dtype):
   assert out.dtype == dtype and out.shape == x.shape
   tol = 1e-6 if dtype == jnp.float32 else 5e-3
   assert _rel(out, _add_reference(x, y, scale, bias)[1]) < tol
-  # the statistics kept for the backward are the sum's
-  _, _, (mean, rstd) = ln.add_forward(x, y, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
-  _, (mean_s, rstd_s) = ln.forward(s, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
-  np.testing.assert_array_equal(mean, mean_s)
-  np.testing.assert_array_equal(rstd, rstd_s)
+  _assert_statistics_are_the_sums(x, y, s, scale, bias)
 
 
 @pytest.mark.parametrize("width", [64, 80])
@@ -150,12 +167,7 @@ def test_add_layer_norm_gradient(width, x_dtype, y_dtype, use_sum):
   y = jax.random.normal(k[0], x.shape).astype(y_dtype)
   r_sum, r_out = jax.random.normal(k[1], x.shape), jax.random.normal(k[2], x.shape)
 
-  def loss(f):
-    def g(*args):
-      s, out = f(*args)
-      total = jnp.sum(out.astype(jnp.float32) * r_out)
-      return total + jnp.sum(s.astype(jnp.float32) * r_sum) if use_sum else total
-    return g
+  loss = _readout(r_sum, r_out, use_sum)
 
   args = (x, y, scale, bias)
   grad = jax.grad(loss(lambda *a: ln.add_layer_norm(*a, EPS, SMALL, True)), (0, 1, 2, 3))
@@ -204,11 +216,7 @@ def test_add_bias_layer_norm_is_xlas_adds_then_the_norm(width, dtype, bias_dtype
         (x.astype(jnp.float32) + y + y_bias.astype(jnp.float32)).astype(dtype)))
   tol = 1e-6 if dtype == jnp.float32 else 5e-3
   assert _rel(out, _add_bias_reference(x, y, y_bias, scale, bias)[1]) < tol
-  _, _, (mean, rstd) = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=EPS, blocks=SMALL,
-                                      interpret=True)
-  _, (mean_s, rstd_s) = ln.forward(s, scale, bias, eps=EPS, blocks=SMALL, interpret=True)
-  np.testing.assert_array_equal(mean, mean_s)
-  np.testing.assert_array_equal(rstd, rstd_s)
+  _assert_statistics_are_the_sums(x, y, s, scale, bias, y_bias)
 
 
 @pytest.mark.parametrize("width", [64, 80])
@@ -225,12 +233,7 @@ def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum, bias_dty
   y, y_bias, r_sum, r_out = _bias_inputs(x, y_dtype, bias_dtype)
   bias_dtype = y_bias.dtype
 
-  def loss(f):
-    def g(*args):
-      s, out = f(*args)
-      total = jnp.sum(out.astype(jnp.float32) * r_out)
-      return total + jnp.sum(s.astype(jnp.float32) * r_sum) if use_sum else total
-    return g
+  loss = _readout(r_sum, r_out, use_sum)
 
   args = (x, y, y_bias, scale, bias)
   grad = jax.grad(loss(lambda *a: ln.add_bias_layer_norm(*a, EPS, SMALL, True)), range(5))
