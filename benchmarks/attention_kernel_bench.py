@@ -104,6 +104,23 @@ def main():
   rope_table(q, k, v, do, args.iters)
 
 
+def rotated(impl_fn, rope, dtype=None):
+  """``f(qkv, bias)``: attention from the packed projection as the model's
+  plain path runs it, the bias added (in qkv's dtype), RoPE on q and k, then
+  ``impl_fn(q, k, v)``; in ``dtype`` from the bias add on, if given."""
+  def f(qkv, bias):
+    x = qkv + bias
+    x = x if dtype is None else x.astype(dtype)
+    cos, sin = (r[None] for r in rope)
+    q, k, v = (x[:, :, i] for i in range(3))
+    return impl_fn(posenc.apply_rope(q, cos, sin), posenc.apply_rope(k, cos, sin), v)
+  return f
+
+
+def causal_xla(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 def rope_table(q, k, v, do, iters: int):
   """The second table: packed projection + RoPE -> output and its gradient."""
   b, t, h, d = q.shape
@@ -111,15 +128,7 @@ def rope_table(q, k, v, do, iters: int):
   bias = (0.3 * jax.random.normal(jax.random.key(2), (3, h, d))).astype(qkv.dtype)
   angles = jax.random.uniform(jax.random.key(1), (t, d // 2), maxval=6.0)
   rope = (jnp.cos(angles), jnp.sin(angles))
-
-  def rotated(impl_fn, dtype=None):
-    def f(qkv):
-      x = qkv + bias       # the projection's bias add (bf16), as the model's plain path
-      x = x if dtype is None else x.astype(dtype)
-      cos, sin = (r[None] for r in rope)
-      q, k, v = (x[:, :, i] for i in range(3))
-      return impl_fn(posenc.apply_rope(q, cos, sin), posenc.apply_rope(k, cos, sin), v)
-    return f
+  with_bias = lambda f: lambda qkv: f(qkv, bias)  # noqa: E731
 
   def fwd_bwd(f):
     @jax.jit
@@ -131,13 +140,10 @@ def rope_table(q, k, v, do, iters: int):
   def cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-  def xla(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-  ref = fwd_bwd(rotated(xla, jnp.float32))(qkv, do)
+  ref = fwd_bwd(with_bias(rotated(causal_xla, rope, jnp.float32)))(qkv, do)
   candidates = {
-      "bias + RoPE in XLA, cuDNN": rotated(cudnn),
-      "bias + RoPE in XLA, kernels on q, k, v": rotated(ha.causal_attention),
+      "bias + RoPE in XLA, cuDNN": with_bias(rotated(cudnn, rope)),
+      "bias + RoPE in XLA, kernels on q, k, v": with_bias(rotated(ha.causal_attention, rope)),
       **{f"causal_attention_qkv (bias, RoPE backward in the kernels), {dt} tables":
          (lambda x, dt=dt: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(2, dt)))
          for dt in ("float32", "bfloat16")}}

@@ -25,18 +25,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from attention_kernel_bench import causal_xla, rotated  # noqa: E402
 from darl_jax.kernels import hopper_attention as ha  # noqa: E402
 from darl_jax.kernels import layer_norm as ln  # noqa: E402
-from darl_jax.models import posenc  # noqa: E402
-
-
-def rel(a, b) -> float:
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+from darl_jax.models import vit  # noqa: E402
+from layer_norm_bench import reference as norm_reference  # noqa: E402
+from mlp_kernel_bench import rel_err as rel  # noqa: E402
 
 
 # Off the GPU the kernels run in Pallas's interpreters (a smoke test of this script).
@@ -51,16 +50,10 @@ def check_attention(tokens: int, head_dim: int, batch: int = 16, heads: int = 4)
   rope = (jnp.cos(angles), jnp.sin(angles))
   do = jax.random.normal(k[3], (batch, tokens, heads, head_dim)).astype(jnp.bfloat16)
 
-  def reference(x, b):
-    x = (x + b).astype(jnp.float32)
-    cos, sin = (t[None] for t in rope)
-    q, kk = (posenc.apply_rope(x[:, :, i], cos, sin) for i in (0, 1))
-    return jax.nn.dot_product_attention(q, kk, x[:, :, 2], is_causal=True)
-
   tiling = ha.DEFAULT_ATTENTION_TILING
   out, vjp = jax.vjp(lambda x, b: ha.causal_attention_qkv(x, b, rope, tiling, INTERPRET),
                      qkv, bias)
-  want, want_vjp = jax.vjp(reference, qkv, bias)
+  want, want_vjp = jax.vjp(rotated(causal_xla, rope, jnp.float32), qkv, bias)
   got, ref = vjp(do), want_vjp(do.astype(jnp.float32))
   return (f"attention, {tokens} tokens, head dim {head_dim}: out {rel(out, want):.1e}, "
           f"dqkv {rel(got[0], ref[0]):.1e}, dbias {rel(got[1], ref[1]):.1e}")
@@ -79,15 +72,12 @@ def check_add_bias_norm(width: int, rows: int = 4096) -> str:
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(s.astype(jnp.float32) * w[::-1])
 
   def kernel(*args):
-    s, out = ln.add_bias_layer_norm(*args, 1e-6, ln.DEFAULT_BLOCKS, INTERPRET)
+    s, out = ln.add_bias_layer_norm(*args, vit.LN_EPS, ln.DEFAULT_BLOCKS, INTERPRET)
     return loss(s, out), s
 
   def reference(x, y, y_bias, scale, bias):
     s = x + (y + y_bias.astype(y.dtype))
-    s32 = s.astype(jnp.float32)
-    mean = s32.mean(-1, keepdims=True)
-    var = ((s32 - mean) ** 2).mean(-1, keepdims=True)
-    return loss(s, (s32 - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias), s
+    return loss(s, norm_reference(s, scale, bias)[1]), s
 
   args = (x, y, y_bias, scale, bias)
   (_, s), got = jax.jit(jax.value_and_grad(kernel, range(5), has_aux=True))(*args)
