@@ -18,7 +18,13 @@ DARL adds the patch decoder over N = T predicted patches:
     linear (MSE)            2*N*D*P
     linear (diffusion)      2*N*(D + P + g)*P               (g = 1 with gamma conditioning)
     mlp, depth d            2*N*(D*W + (P+g)*W + d*2*W*4W + W*P)
-    transformer, depth d    2*N*(D*W + (P+g)*W) + d * layer(T=2, W, 4W, full) * N + 2*N*W*P
+    transformer, depth d    2*N*(D*W + (P+g)*W) + (d-1) * layer(T=2, W, 4W, full) * N
+                            + readout_layer(T=2, W, 4W) * N + 2*N*W*P
+
+(the transformer decoder's last block computes the output of the token it
+reads alone: ``readout_layer`` counts one query, the keys and values of
+both tokens, and one token's output projection and MLP; models/vit.Block's
+``readout``)
 
 times ``noise_samples`` for everything that follows the backbone.
 """
@@ -35,6 +41,16 @@ def layer_flops(tokens: int, width: int, mlp_dim: int, *, causal: bool) -> float
   attention = 2 * (2 * t * t * d)
   if causal:
     attention /= 2
+  return matmuls + attention
+
+
+def readout_layer_flops(tokens: int, width: int, mlp_dim: int) -> float:
+  """Forward FLOPs of one full-attention block that computes one token's
+  output (vit.Block ``readout``): every token's key and value, that token's
+  query, its attention over ``tokens`` keys, output projection and MLP."""
+  t, d, f = tokens, width, mlp_dim
+  matmuls = 2 * d * d + 2 * t * d * 2 * d + 2 * d * d + 2 * 2 * d * f
+  attention = 2 * (2 * t * d)
   return matmuls + attention
 
 
@@ -57,7 +73,9 @@ def decoder_forward_flops(decoder, num_patches: int, backbone_width: int,
   head = 2 * n * w * p
   if decoder.kind == "mlp":
     return embed + decoder.depth * 2 * n * 2 * w * w * decoder.mlp_ratio + head
-  per_pair = decoder.depth * layer_flops(2, w, w * decoder.mlp_ratio, causal=False)
+  f = w * decoder.mlp_ratio
+  per_pair = ((decoder.depth - 1) * layer_flops(2, w, f, causal=False)
+              + readout_layer_flops(2, w, f))
   return embed + n * per_pair + head
 
 

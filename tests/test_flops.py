@@ -33,14 +33,19 @@ def test_full_attention_counts_all_logits():
   assert full - causal == 2 * 2 * 10 * 10 * 8 / 2
 
 
-def test_transformer_decoder_by_hand():
-  model = tiny(kind="transformer", loss="diffusion", gamma=True, k=2)
+@pytest.mark.parametrize("depth", [1, 3])
+def test_transformer_decoder_by_hand(depth):
+  model = tiny(kind="transformer", loss="diffusion", gamma=True, k=2, depth=depth)
   n, d, w, p = 3, 4, 4, 4
   embed = 2 * n * d * w + 2 * n * (p + 1) * w
+  # both tokens: qkv, out, MLP (4w), 2x2 logits and the 2x2 weighted sums
   pair = 2 * 2 * w * 3 * w + 2 * 2 * w * w + 2 * 2 * 2 * w * 4 * w + 2 * 2 * 2 * 2 * w
+  # the last block, the read-out token only: its q, both tokens' k and v,
+  # its out and MLP, 1x2 logits and one weighted sum of 2 values
+  readout = 2 * w * w + 2 * 2 * w * 2 * w + 2 * w * w + 2 * 2 * w * 4 * w + 2 * 2 * 1 * 2 * w
   head = 2 * n * w * p
   backbone = flops.backbone_forward_flops(model.backbone, 3, 4)
-  expected = 3 * (backbone + 2 * (embed + n * pair + head))
+  expected = 3 * (backbone + 2 * (embed + n * ((depth - 1) * pair + readout) + head))
   assert flops.darl_train_flops(model, (1, 3)) == pytest.approx(expected)
 
 

@@ -401,3 +401,62 @@ def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
     branch = make(True).apply({"params": params}, y)
     np.testing.assert_array_equal(vit.branch_value(branch),
                                   make(False).apply({"params": params}, y))
+
+
+def _dot_rows(jaxpr, cols: int) -> list:
+  """Row counts (all but the last axis) of every dot_general result with
+  ``cols`` columns in ``jaxpr`` and the jaxprs nested in it."""
+  rows = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] == cols:
+      rows.append(int(np.prod(eqn.outvars[0].aval.shape[:-1])))
+    for value in eqn.params.values():
+      for x in value if isinstance(value, (tuple, list)) else [value]:
+        inner = getattr(x, "jaxpr", x)
+        if hasattr(inner, "eqns"):
+          rows += _dot_rows(inner, cols)
+  return rows
+
+
+@pytest.mark.parametrize("token,rope", [(1, False), (0, True), (2, True)])
+def test_readout_block_is_the_full_block_at_one_token(token, rope):
+  """Block(readout=r) is the full (non-causal) block's output at token r:
+  same parameters, values and gradients (inputs and parameters, under a
+  random readout), with and without RoPE; its MLP runs on that token only;
+  causal blocks refuse it."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (5, 3, 32))
+  tables = None
+  if rope:
+    angles = jax.random.uniform(jax.random.PRNGKey(1), (1, 3, 4), maxval=3.0)
+    tables = (jnp.cos(angles), jnp.sin(angles))
+  make = lambda r: vit.Block(4, 64, causal=False, readout=r)
+  params = make(None).init(jax.random.PRNGKey(2), x, tables)["params"]
+  assert (jax.tree.structure(make(token).init(jax.random.PRNGKey(2), x, tables)["params"])
+          == jax.tree.structure(params))
+  params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(3), p.shape),
+                        params)   # biases and scales away from 0 and 1
+  w = jax.random.normal(jax.random.PRNGKey(4), (5, 1, 32))
+  full = lambda p, x: jnp.sum(make(None).apply({"params": p}, x, tables)[:, token:token + 1] * w)
+  part = lambda p, x: jnp.sum(make(token).apply({"params": p}, x, tables) * w)
+  assert make(token).apply({"params": params}, x, tables).shape == (5, 1, 32)
+  (want, g_want), (got, g_got) = (jax.value_and_grad(f, (0, 1))(params, x) for f in (full, part))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  # the MLP's first layer (64 wide) and the queries see one token of each example
+  jaxpr = jax.make_jaxpr(lambda p: make(token).apply({"params": p}, x, tables))(params).jaxpr
+  assert _dot_rows(jaxpr, 64) == [5]
+  with pytest.raises(ValueError, match="causal=False"):
+    vit.Block(4, 64, causal=True, readout=token).init(jax.random.PRNGKey(2), x, tables)
+
+
+def test_transformer_decoder_last_block_reads_one_token():
+  """The denoising decoder's last block computes its read-out token only:
+  its MLP's first layer runs on M rows, the earlier blocks' on 2M."""
+  from darl_jax.models import decoders
+  z = jax.random.normal(jax.random.PRNGKey(0), (7, 32))
+  noisy = jax.random.normal(jax.random.PRNGKey(1), (7, 12))
+  dec = decoders.PatchDecoder("transformer", 12, depth=2, width=16, num_heads=2, mlp_ratio=3)
+  params = dec.init(jax.random.PRNGKey(2), z, noisy)["params"]
+  jaxpr = jax.make_jaxpr(lambda p: dec.apply({"params": p}, z, noisy))(params).jaxpr
+  assert sorted(_dot_rows(jaxpr, 48)) == [7, 14]

@@ -117,7 +117,11 @@ class QkvProjection(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, query_rows: slice | None = None):
+    """``query_rows`` (a slice of the token axis): return ``(q product of
+    those tokens [B, t, heads, head_dim], k/v product of every token [B, T,
+    2, heads, head_dim], bias)``, the queries of the other tokens not
+    computed."""
     width = x.shape[-1]
     if width % self.num_heads:
       raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
@@ -129,8 +133,11 @@ class QkvProjection(nn.Module):
     kernel = self.param("kernel", kernel_init, (width,) + features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, features, jnp.float32)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    product = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-    return product, bias
+    contract = (((x.ndim - 1,), (0,)), ((), ()))
+    if query_rows is None:
+      return jax.lax.dot_general(x, kernel, contract), bias
+    return (jax.lax.dot_general(x[:, query_rows], kernel[:, 0], contract),
+            jax.lax.dot_general(x, kernel[:, 1:], contract), bias)
 
 
 class DenseBiasApart(nn.Module):
@@ -224,7 +231,12 @@ class MultiHeadAttention(nn.Module):
 
   ``defer_bias``: return the output projection's product and bias apart,
   ``(product, bias)`` (``DenseBiasApart``), for the caller to add the bias
-  in its next norm's kernel (vit.Block); the same parameters either way."""
+  in its next norm's kernel (vit.Block); the same parameters either way.
+
+  ``readout=r`` (full attention only): the output of query token ``r`` alone,
+  ``[B, 1, D]``, every token still a key and value: what a block whose other
+  outputs go unused needs (the denoising decoder's last block). Its q and the
+  output projection are computed for that token only."""
   num_heads: int
   causal: bool = True
   impl: str = "xla"
@@ -233,15 +245,31 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
+               mask: jax.Array | None = None, readout: int | None = None) -> jax.Array:
     width = x.shape[-1]
-    product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(x)
+    if readout is not None and self.causal:
+      raise ValueError("readout attention is for full (non-causal) attention, where every "
+                       "key is seen by the read-out query; set causal=False")
     out = None
-    if check_attention_impl(self.impl) == "hopper" and self.causal and mask is None:
-      out = _hopper_qkv_attention(product, bias, rope)
-    if out is None:
-      q, k, v = split_qkv(product + bias, rope)
-      out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
+    if readout is not None:
+      q_product, kv_product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(
+          x, query_rows=slice(readout, readout + 1))
+      q = q_product + bias[0]
+      k, v = kv_product[:, :, 0] + bias[1], kv_product[:, :, 1] + bias[2]
+      if rope is not None:
+        cos, sin = rope
+        q = posenc_lib.apply_rope(q, cos[:, readout:readout + 1], sin[:, readout:readout + 1])
+        k = posenc_lib.apply_rope(k, cos, sin)
+      out = dot_product_attention(
+          q, k, v, causal=False, impl=self.impl,
+          mask=None if mask is None else mask[:, :, readout:readout + 1])
+    else:
+      product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(x)
+      if check_attention_impl(self.impl) == "hopper" and self.causal and mask is None:
+        out = _hopper_qkv_attention(product, bias, rope)
+      if out is None:
+        q, k, v = split_qkv(product + bias, rope)
+        out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
     if self.defer_bias:
       return DenseBiasApart(width, (-2, -1), self.dtype, OUT_INIT, name="out")(out)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,

@@ -308,7 +308,14 @@ class Block(nn.Module):
   the bias is deferred, see ``branch_value``), and ``branch=`` takes the
   previous block's, array or pair, so that this block's input is ``x +
   branch``, added in norm1. With ``norm_impl='xla'`` the same arguments add
-  in XLA. The parameters are the same either way."""
+  in XLA. The parameters are the same either way.
+
+  ``readout=r`` (full attention only): compute the block's output for token
+  ``r`` alone, ``[B, 1, D]`` (every token still attends as a key and value):
+  a last block whose other outputs are unused skips their queries, output
+  projection, norm2 and MLP. The denoising decoder's last block reads only
+  its noisy-patch token: 14 of its 24 width^2 multiply-adds per patch are
+  left (flops.decoder_forward_flops)."""
   num_heads: int
   mlp_dim: int
   causal: bool = True
@@ -318,6 +325,7 @@ class Block(nn.Module):
   mlp_impl: str = "xla"
   norm_impl: str = "xla"
   return_branch: bool = False
+  readout: int | None = None
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True, branch=None):
@@ -325,7 +333,9 @@ class Block(nn.Module):
     x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x, add=branch)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
-        dtype=self.dtype, defer_bias=defer, name="attn")(y, rope, mask)
+        dtype=self.dtype, defer_bias=defer, name="attn")(y, rope, mask, self.readout)
+    if self.readout is not None:   # the residual stream of the read-out token
+      x = x[:, self.readout:self.readout + 1]
     if not defer:
       y = DropPath(self.drop_path)(y, deterministic)
     x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x, add=y)
