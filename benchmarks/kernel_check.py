@@ -7,7 +7,9 @@
   ViT-L/16's and ViT-H/14's head shapes (196 tokens and head dim 64, 256
   and 80) against float32 attention of the same bf16 inputs: relative error
   of the output, the packed gradient and the bias gradient. This covers the
-  forward kernel's copy of v that the backward reads.
+  forward kernel's copy of v that the backward reads, and the backward
+  kernels' column sums that make the bias gradient at head dim 64 (at 80
+  with RoPE XLA sums the gradient; each line says which).
 - ``layer_norm.add_bias_layer_norm`` (a residual add with the branch's
   deferred float32 bias, then the norm) at widths 1024 and 1280 against
   XLA's ``x + (y + b)`` and a float32 LayerNorm: whether the sum is the same
@@ -55,8 +57,9 @@ def check_attention(tokens: int, head_dim: int, batch: int = 16, heads: int = 4)
                      qkv, bias)
   want, want_vjp = jax.vjp(rotated(causal_xla, rope, jnp.float32), qkv, bias)
   got, ref = vjp(do), want_vjp(do.astype(jnp.float32))
+  summed = "in the kernels" if ha._sums_in_kernel(head_dim, rope=True) else "by XLA"
   return (f"attention, {tokens} tokens, head dim {head_dim}: out {rel(out, want):.1e}, "
-          f"dqkv {rel(got[0], ref[0]):.1e}, dbias {rel(got[1], ref[1]):.1e}")
+          f"dqkv {rel(got[0], ref[0]):.1e}, dbias {rel(got[1], ref[1]):.1e} (summed {summed})")
 
 
 def check_add_bias_norm(width: int, rows: int = 4096) -> str:

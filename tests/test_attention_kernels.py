@@ -71,14 +71,15 @@ def _reference_qkv(qkv, bias, rope):
                          [(64, True, True, "bfloat16"), (80, True, True, "bfloat16"),
                           (64, True, True, "float32"), (80, False, True, "float32"),
                           (64, False, True, "bfloat16"), (64, True, False, "bfloat16"),
-                          (64, False, False, "bfloat16")])
+                          (80, True, False, "float32"), (64, False, False, "bfloat16")])
 def test_packed_attention_with_rope_in_the_kernels_matches_float32(head_dim, with_bias,
                                                                    with_rope, tables):
   """causal_attention_qkv: q, k, v read from the packed projection (v's bias
   added to the output, RoPE's backward in the kernels' epilogues), all three
   gradients written into one [B, T, 3, H, D] array. Against float32 bias +
-  RoPE + attention, per part, and the bias gradient; with either dtype of
-  RoPE tables."""
+  RoPE + attention, per part, and the bias gradient (summed in the kernels'
+  epilogues, or by XLA at head dim 80 with RoPE); with either dtype of RoPE
+  tables."""
   keys = jax.random.split(jax.random.key(5), 4)
   qkv = jax.random.normal(keys[0], (B, T, 3, H, head_dim)).astype(jnp.bfloat16)
   do = jax.random.normal(keys[1], (B, T, H, head_dim)).astype(jnp.bfloat16)
@@ -102,6 +103,64 @@ def test_packed_attention_with_rope_in_the_kernels_matches_float32(head_dim, wit
     np.testing.assert_allclose(got_bias.astype(jnp.float32),
                                got.astype(jnp.float32).sum((0, 1)), rtol=1e-2, atol=1e-2)
     assert _rel(got_bias, want_bias) < 2e-2
+
+
+def _full_gradient_sums(fn, *args, size):
+  """The reduce_sum equations, anywhere in ``fn``'s jaxpr (sub-jaxprs
+  included), whose operand has ``size`` elements."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.size == size:
+        found.append(eqn)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)     # a ClosedJaxpr's Jaxpr
+          if hasattr(sub, "eqns"):
+            walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("head_dim,with_rope,in_kernel",
+                         [(64, True, True), (64, False, True), (80, False, True),
+                          (80, True, False)])
+def test_the_bias_gradient_is_summed_in_the_backward_kernels(head_dim, with_rope, in_kernel):
+  """The qkv bias gradient from the backward kernels' per-tile column sums
+  (_column_sums: the staged bf16 tiles, or RoPE's two halves, through the
+  same ones-matrix product and diagonal as on the GPU, which the
+  interpreter takes as plain dots), not from a pass of XLA over the whole
+  gradient, wherever the staged pieces are swizzled tiles: head dim 64
+  with or without RoPE (ViT-B/16, L/16) and 80 without (two vectors of
+  sums, columns 0..63 and 64..79). At 80 with RoPE the halves are untiled
+  (not a wgmma operand) and XLA sums: this test fails if either path
+  silently changes."""
+  assert ha._sums_in_kernel(head_dim, with_rope) == in_kernel
+  keys = jax.random.split(jax.random.key(8), 4)
+  qkv = jax.random.normal(keys[0], (B, T, 3, H, head_dim)).astype(jnp.bfloat16)
+  do = jax.random.normal(keys[1], (B, T, H, head_dim)).astype(jnp.bfloat16)
+  bias = (0.3 * jax.random.normal(keys[2], (3, H, head_dim))).astype(jnp.bfloat16)
+  rope = _rope_tables(keys[3], T, head_dim) if with_rope else None
+  tiling = ha.AttentionTiling(2)
+
+  # the kernels' sums: the float32 column sums of the bf16 gradient they
+  # store, exact but for the order of the additions
+  _, (qk, v, v_bias, o, lse, _, _) = ha._qkv_fwd(qkv, bias, rope, tiling, True)
+  tables = None if rope is None else ha.extended_tables(*rope, T, tiling.rope_tables)
+  grads, sums = ha._backward(qk, qk, v, v_bias, o, lse, do, tables, (H, 0, H, 0), tiling, True,
+                             sums=True)
+  assert sums.shape == (3, H, head_dim) and sums.dtype == jnp.float32
+  np.testing.assert_allclose(sums, grads.astype(jnp.float32).sum((0, 1)), rtol=1e-5, atol=1e-4)
+
+  # causal_attention_qkv's backward: no sum over the whole gradient where
+  # the kernels take it, one where they do not (its numbers:
+  # test_packed_attention_with_rope_in_the_kernels_matches_float32); and
+  # none without a bias (causal_attention takes none either)
+  def grad(x, b, do):
+    return jax.vjp(lambda x, b: ha.causal_attention_qkv(x, b, rope, tiling, True), x, b)[1](do)
+  assert len(_full_gradient_sums(grad, qkv, bias, do, size=qkv.size)) == (0 if in_kernel else 1)
+  assert not _full_gradient_sums(lambda x, do: grad(x, None, do), qkv, do, size=qkv.size)
 
 
 @pytest.mark.parametrize("slots", [0, 2, 3])
@@ -245,6 +304,22 @@ def test_attention_kernels_lower_for_hopper_at_model_sizes(model):
   assert text.count("mosaic_gpu") >= 3
   # dK/dV are written into dQ's kernel output in place, not into a new array
   assert "output_operand_alias" in text
+  # The bias gradient: the backward kernels' column sums (their ones-matrix
+  # products, diagonal masks and copies lowered for sm_90) where the staged
+  # pieces allow (head dim 64: B/16, L/16), else XLA's sum over the whole
+  # float32 gradient (H/14: head dim 80, with RoPE).
+  d = s.shape[-1]
+  whole = "tensor<{}xf32>".format("x".join(map(str, packed.shape)))
+  assert ha._sums_in_kernel(d, True) == (d == 64)
+  assert (whole in text) != ha._sums_in_kernel(d, True)
+
+  # and with a bias but no RoPE: the sums in the kernels at every model size
+  def biased_loss(qkv, bias):
+    return jnp.sum(ha.causal_attention_qkv(qkv, bias).astype(jnp.float32))
+
+  text = jax.jit(jax.grad(biased_loss, (0, 1))).trace(packed, bias).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3 and whole not in text
 
 
 def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
