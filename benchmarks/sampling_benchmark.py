@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from darl_jax import flops  # noqa: E402
 from darl_jax import patches as patches_lib  # noqa: E402
 from darl_jax import sampling  # noqa: E402
 from darl_jax.models import darl as darl_lib  # noqa: E402
@@ -65,16 +66,9 @@ def backbone_flops(backbone, num_tokens: int, patch_dim: int) -> float:
 
 
 def decoder_pass_flops(decoder, backbone_width: int, diffusion: bool) -> float:
-  """One decoder pass for one patch."""
-  d, p, w = backbone_width, decoder.patch_dim, decoder.width
-  noisy = (p + int(decoder.gamma_conditioning)) if diffusion else 0
-  if decoder.kind == "linear" or decoder.depth == 0:
-    return 2 * (d + noisy) * p
-  embed, head = 2 * d * w + 2 * noisy * w, 2 * w * p
-  if decoder.kind == "mlp":
-    return embed + decoder.depth * 2 * 2 * w * w * decoder.mlp_ratio + head
-  layer = 2 * token_layer_flops(w, w * decoder.mlp_ratio, 2)   # 2 tokens, full attention
-  return embed + decoder.depth * layer + head
+  """One decoder pass for one patch (the training count of one prediction:
+  the Transformer decoder's last block computes its read-out token only)."""
+  return flops.decoder_forward_flops(decoder, 1, backbone_width, diffusion)
 
 
 def image_flops(model, sampler, generated: int, steps: int) -> tuple[float, float]:
