@@ -25,6 +25,11 @@ session"); a new XLA may change that, which is why they are kept runnable:
   separate q, k, v, instead of ``causal_attention_qkv`` on the packed
   projection (RoPE's backward in the kernels' epilogues). A no-op on other
   attention implementations.
+- ``param_norm_in_step``: the step as it was until the thirteenth session,
+  with the parameter norm a metric of every step (a reduction over every
+  parameter, which XLA may fuse into the optimizer update) instead of read
+  when metrics are logged. Not a model change: the loss and gradients are
+  the base's.
 
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
@@ -51,10 +56,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 from darl_jax.models import attention as attention_lib  # noqa: E402
 from darl_jax.models import posenc, vit  # noqa: E402
+from darl_jax.train import loop  # noqa: E402
 
 # ------------------------------------------------------------ MLP recompute
 
@@ -168,15 +175,18 @@ class BlockLnMlpRecompute(vit.Block):
     y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=self.dtype, name="norm1")(x)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
-        dtype=self.dtype, name="attn")(y, rope, mask)
+        dtype=self.dtype, name="attn")(y, rope, mask, self.readout)
+    if self.readout is not None:   # as vit.Block: the read-out token's stream
+      x = x[:, self.readout:self.readout + 1]
     x = x + vit.DropPath(self.drop_path)(y, deterministic)
     d = x.shape[-1]
     scale = self.param("norm2_scale", nn.initializers.ones, (d,), jnp.float32)
     bias = self.param("norm2_bias", nn.initializers.zeros, (d,), jnp.float32)
     w1, b1, w2, b2 = _MlpParams(self.mlp_dim, name="mlp")(d)
     c = lambda a: a.astype(self.dtype)  # noqa: E731
-    y = ln_mlp_recompute(c(x), scale, bias, c(w1), c(b1), c(w2), c(b2))
-    return x + vit.DropPath(self.drop_path)(y, deterministic)
+    y = vit.DropPath(self.drop_path)(
+        ln_mlp_recompute(c(x), scale, bias, c(w1), c(b1), c(w2), c(b2)), deterministic)
+    return (x, y) if self.return_branch else x + y
 
 
 # ------------------------------------------------------------ RoPE custom VJP
@@ -277,7 +287,11 @@ class QkvProjectionBiasSplit(attention_lib.QkvProjection):
   reduction of its own (XLA fuses it with RoPE's backward, at 1.4 TB/s);
   the bias it hands on is zero, so the caller's add is a no-op."""
 
-  def __call__(self, x):
+  def __call__(self, x, query_rows=None):
+    if query_rows is not None:   # the decoder's read-out block: q and k/v apart
+      q, kv, bias = super().__call__(x, query_rows)
+      return (bias_add_split(q, bias[0]), bias_add_split(kv, bias[1:]),
+              jnp.zeros_like(bias))
     product, bias = super().__call__(x)
     return bias_add_split(product, bias), jnp.zeros_like(bias)
 
@@ -292,6 +306,22 @@ def no_shared_tables(rope):
   return None
 
 
+# ------------------------------------------------------------ the step
+
+
+def _with_param_norm(make_train_step):
+  """``loop.make_train_step`` as it was until the thirteenth session: the
+  parameter norm a metric of every step (now read at log time)."""
+  def make(*args, **kwargs):
+    step = make_train_step(*args, **kwargs)
+
+    def train_step(state, batch):
+      new_state, metrics = step(state, batch)
+      return new_state, dict(metrics, param_norm=optax.tree.norm(state["params"]))
+    return train_step
+  return make
+
+
 # ------------------------------------------------------------ registry
 
 VARIANTS = {
@@ -302,6 +332,7 @@ VARIANTS = {
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
     "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
     "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
+    "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
 }
 
 

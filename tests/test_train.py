@@ -85,6 +85,17 @@ def test_cli_writes_the_workdir_contract_and_the_loss_falls(tmp_path):
                 if p.name.isdigit()) == [20, 40]
 
 
+def test_logged_parameter_norm_is_the_checkpointed_parameters_norm(straight_run):
+  """param_norm is read from the state at each log (not a per-step metric):
+  at the last step it is the norm of the parameters saved there."""
+  logged = [r for r in metrics_lib.read_metrics(str(straight_run)) if "param_norm" in r]
+  params, meta = final_params(straight_run)
+  assert logged[-1]["step"] == meta["step"]
+  want = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                     for x in jax.tree_util.tree_leaves(params)))
+  np.testing.assert_allclose(logged[-1]["param_norm"], want, rtol=1e-5)
+
+
 def test_sharded_step_matches_single_device(tmp_path, straight_run):
   # 8 fake CPU devices, batch over data=4 x fsdp=2, parameters FSDP-sharded.
   cli(tmp_path, "--config.mesh.data=4", "--config.mesh.fsdp=2", "--config.sharding=fsdp",

@@ -220,8 +220,10 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng) -> Callable
                               state["bad_step"]),
     }
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+    # The parameter norm is not a per-step metric: it is read from the state
+    # when metrics are logged (run), so that the step does not read every
+    # parameter once more for it.
     metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state["step"]),
-                   param_norm=optax.tree.norm(state["params"]),
                    nonfinite=(~finite).astype(jnp.float32))
     return new_state, metrics
 
@@ -352,6 +354,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
       config.batch_size, start_step=start_step, process_index=jax.process_index(),
       process_count=jax.process_count()))
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step=start_step)
+  param_norm = jax.jit(optax.tree.norm)
   history, last = [], {}
   logging.info("training %s from step %d to %d (%d steps/epoch)", type(trainer).__name__,
                start_step, total_steps, steps_per_epoch)
@@ -368,6 +371,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     if step % config.log_every_steps == 0 or step == total_steps:
       last = _mean_metrics(history)
       history = []
+      last["param_norm"] = float(param_norm(state["params"]))   # after this step
       check_finite(state, f"at the log of step {step}")
       shown = {k: last[k] for k in ("loss", "learning_rate", "grad_norm") if k in last}
       last.update(progress.update(step, shown))
