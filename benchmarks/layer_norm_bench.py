@@ -11,9 +11,10 @@ the norm's output gradient plus the residual stream's gradient reaching
 ``x`` around it. Rows: flax's ``nn.LayerNorm`` as XLA compiles it, and
 ``residual_layer_norm`` at each ``--blocks`` setting
 (``rows x warps : bwd_rows x bwd_warps x programs [x bwd_chunk [x
-bwd_sweeps]][s]``, ``s`` for ``bwd_block_sums``; always the backward kernel, whatever the width). GB/s counts the bytes
-the computation must move (forward: x in, y out; backward: x, dy and the
-residual gradient in, dx out), so 3000-4000 is the card's copy rate.
+bwd_sweeps]][s]``, ``s`` for ``bwd_block_sums``; always the backward
+kernel, whatever the width). GB/s counts the bytes the computation must
+move (forward: x in, y out; backward: x, dy and the residual gradient in, dx
+out), so 3000-4000 is the card's copy rate.
 
 A second table times the residual add before the norm (``s = x + a``, then
 ``(s, LN(s))``, the same backward): XLA's add then XLA's norm, XLA's add then

@@ -112,12 +112,8 @@ class PatchDecoder(nn.Module):
                         dtype=self.dtype, mlp_impl=self.mlp_impl, norm_impl=self.norm_impl,
                         return_branch=last, readout=1 if last else None,
                         name=f"block_{i}")(h)
-    x, branch = h   # [M, 1, width] each (branch maybe a (product, bias) pair)
-    if isinstance(branch, tuple):
-      branch = (branch[0][:, 0], branch[1])
-    else:
-      branch = branch[:, 0]
-    h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", x[:, 0], add=branch)
+    x, branch = h   # [M, 1, width] (branch maybe a (product, bias) pair)
+    h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", x, add=branch)[:, 0]
     return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
 
