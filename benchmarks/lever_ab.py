@@ -30,6 +30,10 @@ session"); a new XLA may change that, which is why they are kept runnable:
   parameter, which XLA may fuse into the optimizer update) instead of read
   when metrics are logged. Not a model change: the loss and gradients are
   the base's.
+- ``branch_bias_sum_in_xla`` (with ``model.norm_impl=triton``): the deferred
+  branch bias's gradient in ``add_bias_layer_norm`` as it was until the
+  fourteenth session, XLA's row sum over the norm's input gradient, instead
+  of a third column sum in the backward kernel.
 
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -306,6 +311,37 @@ def no_shared_tables(rope):
   return None
 
 
+# ------------------------------------------------------------ the branch bias's gradient
+
+
+def _xla_sum_add_bias_layer_norm():
+  """``layer_norm.add_bias_layer_norm`` with ``y_bias``'s gradient summed by
+  XLA over the whole ``[rows, width]`` gradient (its form until the
+  fourteenth session)."""
+  from darl_jax.kernels import layer_norm as ln
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+  def add_bias_layer_norm(x, y, y_bias, scale, bias, eps=1e-6, blocks=ln.DEFAULT_BLOCKS,
+                          interpret=False):
+    s, out, _ = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps, blocks=blocks,
+                               interpret=interpret)
+    return s, out
+
+  def bwd(eps, blocks, interpret, saved, cotangents):
+    *saved, bias_like = saved
+    d, dy, dscale, dbias = ln._add_bwd(eps, blocks, interpret, tuple(saved), cotangents)
+    dy_bias = jnp.sum(d.astype(jnp.float32), axis=tuple(range(d.ndim - 1)))
+    return d, dy, dy_bias.astype(bias_like.dtype), dscale, dbias
+
+  add_bias_layer_norm.defvjp(ln._add_bias_fwd, bwd, symbolic_zeros=True)
+  return add_bias_layer_norm
+
+
+def _layer_norm_module():
+  from darl_jax.kernels import layer_norm
+  return layer_norm
+
+
 # ------------------------------------------------------------ the step
 
 
@@ -333,6 +369,8 @@ VARIANTS = {
     "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
     "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
     "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
+    "branch_bias_sum_in_xla": [(_layer_norm_module(), "add_bias_layer_norm",
+                                _xla_sum_add_bias_layer_norm())],
 }
 
 

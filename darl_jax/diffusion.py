@@ -294,8 +294,14 @@ def gamma_bin_stats(per_item_loss, gamma, num_bins: int, mask=None) -> tuple[jax
     raise ValueError(f"gamma shape {g.shape} must equal loss shape {loss.shape}")
   w = jnp.ones_like(loss) if mask is None else jnp.broadcast_to(_f32(mask), loss.shape)
   idx = jnp.clip(jnp.floor(g * num_bins).astype(jnp.int32), 0, num_bins - 1).reshape(-1)
-  sums = jax.ops.segment_sum((loss * w).reshape(-1), idx, num_segments=num_bins)
-  counts = jax.ops.segment_sum(w.reshape(-1), idx, num_segments=num_bins)
+  # A one-hot column sum rather than segment_sum's scatter-add: the gammas
+  # crowd into one or two bins (Beta(0.03, 1) puts most of them near 0), and
+  # a GPU scatter-add then serialises on those bins' atomics (0.17 ms of a
+  # ViT-L/16 step for 0.3 MB, H200), where the one-hot sum is one fused
+  # reduction over [items, bins].
+  onehot = (idx[:, None] == jnp.arange(num_bins)[None, :]).astype(jnp.float32)
+  sums = jnp.sum(onehot * (loss * w).reshape(-1, 1), axis=0)
+  counts = jnp.sum(onehot * w.reshape(-1, 1), axis=0)
   return sums, counts
 
 

@@ -42,13 +42,13 @@ def test_pretrain_benchmark_target_status():
   assert bench.target_status(row("mu/16 mse", 0.1, 1.0), None) == ""
 
 
-def _loss_and_grads(objective, params=None, rename=None):
+def _loss_and_grads(objective, params=None, rename=None, overrides=()):
   """The mu/16 pretraining loss and its gradients (float32, xla attention)."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import jax
   import pretrain_benchmark as bench
   config = bench.build("mu/16", objective, 2, ["model.dtype=float32",
-                                                "model.attention_impl=xla"])
+                                                "model.attention_impl=xla", *overrides])
   config.model.image_size = 32
   x = jax.random.uniform(jax.random.PRNGKey(3), (2, 32, 32, 3), minval=-1, maxval=1)
   init, loss = bench.pretrain_loss(config, x)
@@ -89,6 +89,23 @@ def test_lever_ab_variants_compute_the_same_loss_and_gradients():
   with pytest.raises(ValueError, match="rope_vjp"):
     with lever_ab.variant("nope"):
       pass
+
+
+def test_branch_bias_variant_is_the_triton_norms_function():
+  """``branch_bias_sum_in_xla`` only acts with the LayerNorm kernels: there it
+  must give the base's loss and gradients (the branch biases' gradients
+  summed by XLA instead of in the backward kernel)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import jax
+  import numpy as np
+  import lever_ab
+  triton = ("model.norm_impl=triton",)
+  params, (loss, grads) = _loss_and_grads("mse", overrides=triton)
+  with lever_ab.variant("branch_bias_sum_in_xla"):
+    _, (loss_v, grads_v) = _loss_and_grads("mse", params, overrides=triton)
+  assert abs(float(loss_v) - float(loss)) < 1e-6 * max(1.0, abs(float(loss)))
+  for a, b in zip(jax.tree_util.tree_leaves(grads_v), jax.tree_util.tree_leaves(grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 def test_lever_ab_takes_config_overrides_as_variants():
