@@ -20,6 +20,12 @@ A second table times the residual add before the norm (``s = x + a``, then
 ``(s, LN(s))``, the same backward): XLA's add then XLA's norm, XLA's add then
 the kernels, and ``add_layer_norm`` (the add inside the forward kernel, as
 the triton ViT runs it).
+
+A third times the norm as the triton ViT runs it in every block,
+``add_bias_layer_norm`` (the branch's bias added in the forward kernel, its
+gradient a third column sum in the backward kernel), at each ``--blocks``,
+and the earlier form with that gradient summed by XLA (lever_ab.py's
+``branch_bias_sum_in_xla``) at the default blocks.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ def main():
           f"{1e3 * t_both:.3f} | {bwd_bytes / t_bwd / 1e9:.0f} | {rel_err(y, ref_y):.1e} | "
           f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
   add_rows(x, scale, bias, dres, dy, args.iters)
+  bias_rows(x, scale, bias, dres, dy, args.iters, args.blocks)
 
 
 def add_rows(x, scale, bias, dres, dy, iters):
@@ -149,6 +156,32 @@ def add_rows(x, scale, bias, dres, dy, iters):
     t_both = timed(both, x, a, scale, bias, dres, dy, iters=iters)
     print(f"| {name} | {1e3 * t_fwd:.3f} | {1e3 * t_both:.3f} | {rel_err(y, ref_y):.1e} | "
           f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
+
+
+def bias_rows(x, scale, bias, dres, dy, iters, blocks_text):
+  """``add_bias_layer_norm`` fwd+bwd: XLA's sum of the branch bias's
+  gradient (before) and the kernels' at each ``--blocks``."""
+  import lever_ab
+  a = (x.astype(jnp.float32) * 0.5 - 0.25).astype(x.dtype)
+  a_bias = 0.1 * scale
+  interpret = jax.default_backend() != "gpu"
+  xla_sum = lever_ab._xla_sum_add_bias_layer_norm()
+  candidates = [("XLA's branch-bias sum (before), default blocks",
+                 lambda x, a, ab, s, b: xla_sum(x, a, ab, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS,
+                                                interpret))]
+  for text in blocks_text.split(","):
+    blocks = parse_blocks(text)
+    candidates.append((f"kernel sum, {text}", lambda x, a, ab, s, b, blocks=blocks:
+                       ln.add_bias_layer_norm(x, a, ab, s, b, vit.LN_EPS, blocks, interpret)))
+  print("| add_bias_layer_norm | fwd+bwd ms | err d(branch bias) |")
+  print("|---|---|---|")
+  want = None
+  for name, norm in candidates:
+    both = fwd_bwd(norm)
+    _, g = both(x, a, a_bias, scale, bias, dres, dy)
+    want = g[2] if want is None else want
+    t_both = timed(both, x, a, a_bias, scale, bias, dres, dy, iters=iters)
+    print(f"| {name} | {1e3 * t_both:.3f} | {rel_err(g[2], want):.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,10 @@ session"); a new XLA may change that, which is why they are kept runnable:
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
 A/B of an option the model has. One written ``ln_blocks:<blocks>`` runs the
-LayerNorm kernels (``model.norm_impl=triton``) at those ``layer_norm.Blocks``,
-in layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the
-backward kernel at every width, binary chunks).
+LayerNorm kernels (``model.norm_impl=triton``) at those ``layer_norm.Blocks``
+at every width (``layer_norm.WIDTH_BLOCKS`` set aside), in
+layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the backward
+kernel at every width, binary chunks).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -383,7 +384,8 @@ def variant(name: str):
   if name.startswith(LN_BLOCKS):
     from layer_norm_bench import parse_blocks
     from darl_jax.kernels import layer_norm
-    with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])):
+    with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])), \
+        mock.patch.object(layer_norm, "WIDTH_BLOCKS", {}):
       yield
     return
   if name not in VARIANTS:

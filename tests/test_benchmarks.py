@@ -127,14 +127,18 @@ def test_layer_norm_bench_checks_and_times_each_setting():
   rows = [r for r in out.splitlines() if r.startswith("| ") and "ms" not in r and "---" not in r]
   assert [r.split("|")[1].strip() for r in rows] == [
       "XLA (nn.LayerNorm)", "kernels 4x2:4x2x3", "kernels 8x4:2x2x5",
-      "XLA add, XLA norm", "XLA add, kernels", "add_layer_norm (fused)"]
+      "XLA add, XLA norm", "XLA add, kernels", "add_layer_norm (fused)",
+      "XLA's branch-bias sum (before), default blocks", "kernel sum, 4x2:4x2x3",
+      "kernel sum, 8x4:2x2x5"]
   for r in rows[:3]:   # the kernels agree with float32 as XLA's LayerNorm does
     err_y = float(r.split("|")[6])
     assert err_y < 5e-3, r
-  for r in rows[3:]:   # and with the add before the norm
+  for r in rows[3:6]:   # and with the add before the norm
     cells = r.split("|")
     assert float(cells[4]) < 5e-3, r
     assert all(float(e) < 5e-3 for e in cells[5].split(",")), r
+  for r in rows[6:]:   # the kernel's branch-bias gradient is XLA's sum
+    assert float(r.split("|")[3]) < 1e-5, r
 
 
 def test_kernel_check_reports_small_errors():

@@ -244,9 +244,10 @@ def test_add_bias_layer_norm_gradient(width, x_dtype, y_dtype, use_sum, bias_dty
   if width == 64:   # the sum's cotangent is read only where it has one
     bwd = [e for e in jax.make_jaxpr(grad)(*args).eqns if e.params.get("name") == "layer_norm_bwd"]
     assert [len(e.invars) for e in bwd] == [6 if use_sum else 5]
-    # dy_bias comes out of the kernel (a third [programs, width] sum), not
-    # from a reduction of XLA's over the [rows, width] gradient
-    assert [len(e.outvars) for e in bwd] == [4]
+    # dy_bias comes out of the kernel (a third column sum beside the scale's
+    # and bias's in its [programs, 3 width] partials), not from a reduction
+    # of XLA's over the [rows, width] gradient
+    assert [e.outvars[1].aval.shape for e in bwd] == [(SMALL.programs, 3 * width)]
     rows_reduced = [e for e in jax.make_jaxpr(grad)(*args).eqns
                     if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape == x.shape
                     and tuple(e.params["axes"]) == (0,)]
@@ -451,3 +452,29 @@ def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
   assert text.count("layer_norm_fwd") > (text.count("add_layer_norm_fwd")
                                          + text.count("add_bias_layer_norm_fwd"))
   assert (text.count("layer_norm_bwd") >= 1) == bool(backward_kernels)
+
+
+@pytest.mark.parametrize("width,bwd_rows", [(1024, 2), (1280, ln.DEFAULT_BLOCKS.bwd_rows)])
+def test_the_model_norm_takes_its_widths_blocks(width, bwd_rows):
+  """vit.TritonLayerNorm runs the kernels at ``blocks_for(width)``: the
+  backward over 2 rows a block at ViT-L's 1024 (measured faster there), the
+  default elsewhere; lever_ab's ``ln_blocks:`` variants set that aside. The
+  backward's grid shows it: one program per block of rows here (8 rows)."""
+  import pathlib
+  import sys
+  x = jnp.ones((8, width), jnp.bfloat16)
+  norm = vit.TritonLayerNorm(jnp.bfloat16)
+  params = norm.init(jax.random.key(0), x, True)
+
+  def backward_grid():
+    grad = jax.grad(lambda p: jnp.sum(norm.apply(p, x, True)[1].astype(jnp.float32)))
+    eqns = [e for e in jax.make_jaxpr(grad)(params).eqns
+            if e.params.get("name") == "layer_norm_bwd"]
+    assert len(eqns) == 1
+    return tuple(eqns[0].params["grid_mapping"].grid)
+
+  assert backward_grid() == (8 // bwd_rows,)
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+  import lever_ab
+  with lever_ab.variant("ln_blocks:4x2:4x4x1056s"):
+    assert backward_grid() == (2,)

@@ -13,8 +13,9 @@ the residual stream's gradient). At ViT-L/16, batch 256 on an H200 that is
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy *
   scale``, plus the gradient that reaches ``x`` around the norm (the
   residual stream's, see below) in the same pass, and keeps the scale and
-  bias gradients' column sums in registers; one small ``[programs, width]``
-  partial sum per program is left for XLA to add up. The column sums are
+  bias gradients' column sums in registers; one small ``[programs, 2 width]``
+  partial sum per program (``3 width`` with a deferred bias's, below) is
+  left for XLA to add up, in one reduction. The column sums are
   carried per row of the block and reduced across the block's rows once,
   at the end (``Blocks.bwd_block_sums``). ViT-B's 768 takes the same
   formula in XLA (``XLA_BACKWARD_WIDTHS``), which measured faster there.
@@ -127,6 +128,20 @@ class Blocks:
 # block sums are a tie with the per-step reduction (0.209 / 0.208 ms).
 DEFAULT_BLOCKS = Blocks()
 
+# Widths where other blocks measured faster (the model's norms take
+# ``blocks_for(width)``). ViT-L's 1024: the backward over 2 rows per block,
+# fwd+bwd per norm at L/16 batch 256 on an H200 (benchmarks/layer_norm_bench.py,
+# fourteenth session) 0.196 against 0.207 ms for residual_layer_norm and
+# 0.308 against 0.321 for add_bias_layer_norm (twelfth session, another
+# card: 0.200 against 0.209). At ViT-H's 1280 four rows stay faster (0.466
+# against 0.499 ms for add_bias_layer_norm).
+WIDTH_BLOCKS = {1024: dataclasses.replace(DEFAULT_BLOCKS, bwd_rows=2)}
+
+
+def blocks_for(width: int) -> Blocks:
+  """The kernels' blocks for rows of ``width``: ``WIDTH_BLOCKS`` or the default."""
+  return WIDTH_BLOCKS.get(width, DEFAULT_BLOCKS)
+
 # Widths whose backward stays XLA's under ``bwd='auto'``: ViT-B's 768, where
 # the kernel (512 + 256 chunks) measured slower alone (0.882 against 0.784 ms
 # fwd+bwd at batch 1024) and was not measured in the step.
@@ -206,13 +221,10 @@ def _forward_kernel(*refs, eps, block_rows, has_add, has_add_bias):
 
 def _backward_kernel(*refs, block_rows, programs, has_residual, parts, sweeps, block_sums,
                      sum_dx):
-  refs = list(refs)
-  dxsum_ref = refs.pop() if sum_dx else None
   if has_residual:
-    (x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dres_ref,
-     dx_ref, dscale_ref, dbias_ref) = refs
+    x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dres_ref, dx_ref, sums_ref = refs
   else:
-    x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dbias_ref = refs
+    x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, sums_ref = refs
     dres_ref = None
   n, width = x_ref.shape
   program = pl.program_id(0)
@@ -259,10 +271,12 @@ def _backward_kernel(*refs, block_rows, programs, has_residual, parts, sweeps, b
   # neighbouring rows at the same time
   count = (blocks - program + programs - 1) // programs
   sums = jax.lax.fori_loop(0, count, lambda i, s: body(program + i * programs, s), zeros)
-  out_refs = (dscale_ref, dbias_ref) + ((dxsum_ref,) if sum_dx else ())
+  # one [programs, k * width] partial for all k column sums (scale's, bias's
+  # [, dx's]): XLA then adds them up in one reduction, not k
   for (start, size), part_sums in zip(parts, sums):
-    for ref, total in zip(out_refs, part_sums):
-      ref[program, pl.dslice(start, size)] = jnp.sum(total, axis=0) if block_sums else total
+    for k, total in enumerate(part_sums):
+      sums_ref[program, pl.dslice(k * width + start, size)] = (
+          jnp.sum(total, axis=0) if block_sums else total)
 
 
 def _check(x, scale, bias):
@@ -342,18 +356,20 @@ def backward(x, scale, mean, rstd, dy, dres=None, *, blocks: Blocks = DEFAULT_BL
   args = [x2, scale, mean, rstd, dy2]
   if dres is not None:
     args.append(dres.reshape(-1, width))
-  partial = jax.ShapeDtypeStruct((programs, width), jnp.float32)
-  dx, dscale, dbias, *dsum = pl.pallas_call(
+  num_sums = 3 if sum_dx else 2
+  dx, partials = pl.pallas_call(
       functools.partial(_backward_kernel, block_rows=blocks.bwd_rows, programs=programs,
                         has_residual=dres is not None, parts=blocks.bwd_parts(width),
                         sweeps=blocks.bwd_sweeps, block_sums=blocks.bwd_block_sums,
                         sum_dx=sum_dx),
       grid=(programs,),
-      out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),) + (partial,) * (3 if sum_dx else 2),
+      out_shape=(jax.ShapeDtypeStruct(x2.shape, x.dtype),
+                 jax.ShapeDtypeStruct((programs, num_sums * width), jnp.float32)),
       compiler_params=pltriton.CompilerParams(num_warps=blocks.bwd_warps),
       interpret=interpret, name="layer_norm_bwd")(*args)
-  return (dx.reshape(x.shape), jnp.sum(dscale, axis=0).astype(scale.dtype),
-          jnp.sum(dbias, axis=0).astype(scale.dtype)) + tuple(jnp.sum(d, axis=0) for d in dsum)
+  dscale, dbias, *dsum = jnp.sum(partials, axis=0).reshape(num_sums, width)
+  return (dx.reshape(x.shape), dscale.astype(scale.dtype), dbias.astype(scale.dtype),
+          *dsum)
 
 
 def _backward_xla(x, scale, mean, rstd, dy, dres):

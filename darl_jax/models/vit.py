@@ -229,17 +229,17 @@ class TritonLayerNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (width,), jnp.float32)
     # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
     interpret = jax.default_backend() != "gpu"
+    blocks = layer_norm.blocks_for(width)
     if isinstance(add, tuple):
       product, add_bias = add
-      s, y = layer_norm.add_bias_layer_norm(x, product, add_bias, scale, bias, LN_EPS,
-                                            layer_norm.DEFAULT_BLOCKS, interpret)
+      s, y = layer_norm.add_bias_layer_norm(x, product, add_bias, scale, bias, LN_EPS, blocks,
+                                            interpret)
       return s, y.astype(self.dtype)
     if add is not None:
-      s, y = layer_norm.add_layer_norm(x, add, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS,
-                                       interpret)
+      s, y = layer_norm.add_layer_norm(x, add, scale, bias, LN_EPS, blocks, interpret)
       return s, y.astype(self.dtype)
     fn = layer_norm.residual_layer_norm if residual else layer_norm.layer_norm
-    out = fn(x, scale, bias, LN_EPS, layer_norm.DEFAULT_BLOCKS, interpret)
+    out = fn(x, scale, bias, LN_EPS, blocks, interpret)
     if residual:
       return out[0], out[1].astype(self.dtype)
     return out.astype(self.dtype)
