@@ -65,6 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
+from darl_jax.kernels import layer_norm  # noqa: E402
 from darl_jax.models import attention as attention_lib  # noqa: E402
 from darl_jax.models import posenc, vit  # noqa: E402
 from darl_jax.train import loop  # noqa: E402
@@ -319,28 +320,21 @@ def _xla_sum_add_bias_layer_norm():
   """``layer_norm.add_bias_layer_norm`` with ``y_bias``'s gradient summed by
   XLA over the whole ``[rows, width]`` gradient (its form until the
   fourteenth session)."""
-  from darl_jax.kernels import layer_norm as ln
-
   @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-  def add_bias_layer_norm(x, y, y_bias, scale, bias, eps=1e-6, blocks=ln.DEFAULT_BLOCKS,
-                          interpret=False):
-    s, out, _ = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps, blocks=blocks,
-                               interpret=interpret)
+  def add_bias_layer_norm(x, y, y_bias, scale, bias, eps=1e-6,
+                          blocks=layer_norm.DEFAULT_BLOCKS, interpret=False):
+    s, out, _ = layer_norm.add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps,
+                                       blocks=blocks, interpret=interpret)
     return s, out
 
   def bwd(eps, blocks, interpret, saved, cotangents):
     *saved, bias_like = saved
-    d, dy, dscale, dbias = ln._add_bwd(eps, blocks, interpret, tuple(saved), cotangents)
+    d, dy, dscale, dbias = layer_norm._add_bwd(eps, blocks, interpret, tuple(saved), cotangents)
     dy_bias = jnp.sum(d.astype(jnp.float32), axis=tuple(range(d.ndim - 1)))
     return d, dy, dy_bias.astype(bias_like.dtype), dscale, dbias
 
-  add_bias_layer_norm.defvjp(ln._add_bias_fwd, bwd, symbolic_zeros=True)
+  add_bias_layer_norm.defvjp(layer_norm._add_bias_fwd, bwd, symbolic_zeros=True)
   return add_bias_layer_norm
-
-
-def _layer_norm_module():
-  from darl_jax.kernels import layer_norm
-  return layer_norm
 
 
 # ------------------------------------------------------------ the step
@@ -370,7 +364,7 @@ VARIANTS = {
     "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
     "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
     "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
-    "branch_bias_sum_in_xla": [(_layer_norm_module(), "add_bias_layer_norm",
+    "branch_bias_sum_in_xla": [(layer_norm, "add_bias_layer_norm",
                                 _xla_sum_add_bias_layer_norm())],
 }
 
@@ -383,7 +377,6 @@ def variant(name: str):
   """Patches the model for one variant while the block runs."""
   if name.startswith(LN_BLOCKS):
     from layer_norm_bench import parse_blocks
-    from darl_jax.kernels import layer_norm
     with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])), \
         mock.patch.object(layer_norm, "WIDTH_BLOCKS", {}):
       yield
