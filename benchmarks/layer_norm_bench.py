@@ -129,9 +129,14 @@ def main():
   bias_rows(x, scale, bias, dres, dy, args.iters, args.blocks)
 
 
+def branch_output(x):
+  """Another branch's output to add to ``x`` (the second and third tables)."""
+  return (x.astype(jnp.float32) * 0.5 - 0.25).astype(x.dtype)
+
+
 def add_rows(x, scale, bias, dres, dy, iters):
   """The residual add + norm three ways (fused and not), at the default blocks."""
-  a = (x.astype(jnp.float32) * 0.5 - 0.25).astype(x.dtype)   # another branch's output
+  a = branch_output(x)
   interpret = jax.default_backend() != "gpu"
 
   def added(norm):
@@ -162,7 +167,7 @@ def bias_rows(x, scale, bias, dres, dy, iters, blocks_text):
   """``add_bias_layer_norm`` fwd+bwd: XLA's sum of the branch bias's
   gradient (before) and the kernels' at each ``--blocks``."""
   import lever_ab
-  a = (x.astype(jnp.float32) * 0.5 - 0.25).astype(x.dtype)
+  a = branch_output(x)
   a_bias = 0.1 * scale
   interpret = jax.default_backend() != "gpu"
   xla_sum = lever_ab._xla_sum_add_bias_layer_norm()
