@@ -19,6 +19,12 @@ batch, to the output and the product's gradient. Rows: bias and RoPE in XLA then
 cuDNN; the same then the kernels on separate q, k, v; and
 ``causal_attention_qkv`` (the kernels read the packed array and do RoPE's
 backward in their epilogues) with float32 and with bfloat16 RoPE tables.
+
+A third table starts one step earlier, at the block's input ``x [B, T, W]``:
+XLA's qkv product then ``causal_attention_qkv``, against
+``causal_attention_projected`` (the product our own kernel, the bias and
+RoPE in its epilogue), to the output and the gradients of x, the kernel and
+the bias; and the two forward projections alone.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ def main():
           f"{3 * flops_fwd / (t_fb * 1e-3) / 1e12:.0f} |")
 
   rope_table(q, k, v, do, args.iters)
+  projection_table(b, t, h, d, args.iters)
 
 
 def rotated(impl_fn, rope, dtype=None):
@@ -160,6 +167,62 @@ def rope_table(q, k, v, do, iters: int):
     t_f = timed(jax.jit(f), qkv, iters=iters) * 1e3
     t_fb = timed(fwd_bwd(f), qkv, do, iters=iters) * 1e3
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
+
+
+def projection_table(b: int, t: int, h: int, d: int, iters: int):
+  """The third table: from the block's input x, the projection included."""
+  width = h * d
+  ks = jax.random.split(jax.random.key(3), 5)
+  x = jax.random.normal(ks[0], (b, t, width)).astype(jnp.bfloat16)
+  kernel = (jax.random.normal(ks[1], (width, 3, h, d)) * width ** -0.5).astype(jnp.bfloat16)
+  bias = 0.3 * jax.random.normal(ks[2], (3, h, d))
+  angles = jax.random.uniform(ks[3], (t, d // 2), maxval=6.0)
+  rope = (jnp.cos(angles), jnp.sin(angles))
+  do = jax.random.normal(ks[4], (b, t, h, d)).astype(jnp.bfloat16)
+  product = lambda x, kernel: jnp.einsum("btw,wchd->btchd", x, kernel)  # noqa: E731
+
+  def reference(x, kernel, bias):
+    qkv = product(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    return rotated(causal_xla, rope)(qkv, bias)
+
+  def xla_then_kernels(x, kernel, bias):
+    return ha.causal_attention_qkv(product(x, kernel), bias.astype(x.dtype), rope)
+
+  def projected(x, kernel, bias):
+    return ha.causal_attention_projected(x, kernel, bias, rope)
+
+  def fwd_bwd(f):
+    @jax.jit
+    def g(x, kernel, bias, do):
+      out, vjp = jax.vjp(f, x, kernel, bias)
+      return (out,) + vjp(do.astype(out.dtype))
+    return g
+
+  if not ha.fits_projected(x, kernel, bias, rope):
+    print(f"\n(no projection table: {h} heads of {d} do not fit causal_attention_projected)")
+    return
+  ref = fwd_bwd(reference)(x, kernel, bias, do)
+  print()
+  print("| from the block's input x, with RoPE | max rel. error (out, dx, dkernel, dbias) "
+        "| fwd ms | fwd+bwd ms |")
+  print("|---|---|---|---|")
+  for name, f in {"XLA qkv product, causal_attention_qkv": xla_then_kernels,
+                  "causal_attention_projected": projected}.items():
+    got = fwd_bwd(f)(x, kernel, bias, do)
+    errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
+    t_f = timed(jax.jit(f), x, kernel, bias, iters=iters) * 1e3
+    t_fb = timed(fwd_bwd(f), x, kernel, bias, do, iters=iters) * 1e3
+    print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
+  want = ha._query_keys(product(x, kernel).astype(jnp.float32), bias, rope)
+  for name, f in {"XLA qkv product alone": lambda x, kernel, bias: product(x, kernel),
+                  "XLA qkv product + bias + RoPE pass": lambda x, kernel, bias:
+                  ha._query_keys(product(x, kernel), bias.astype(x.dtype), rope),
+                  "project_qkv (bias + RoPE in the epilogue)": lambda x, kernel, bias:
+                  ha.project_qkv(x, kernel, bias, rope)}.items():
+    out = jax.jit(f)(x, kernel, bias)
+    err = (f"{rel_err(out.reshape(want.shape[0], -1, d)[:, :2 * h], want):.1e} (q, k)"
+           if "RoPE" in name else "")
+    print(f"| {name} | {err} | {timed(jax.jit(f), x, kernel, bias, iters=iters) * 1e3:.3f} | |")
 
 
 if __name__ == "__main__":

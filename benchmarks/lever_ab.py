@@ -25,6 +25,13 @@ session"); a new XLA may change that, which is why they are kept runnable:
   separate q, k, v, instead of ``causal_attention_qkv`` on the packed
   projection (RoPE's backward in the kernels' epilogues). A no-op on other
   attention implementations.
+- ``qkv_rope_in_xla`` (with ``model.attention_impl=hopper``): the q/k/v
+  product as XLA's GEMM and its bias + RoPE as XLA's pass before
+  ``causal_attention_qkv`` (the form until the fifteenth session), instead
+  of ``causal_attention_projected`` (the bias and RoPE in our product
+  kernel's epilogue). Rounding differs slightly (see
+  causal_attention_projected): the loss agrees to bf16 rounding, not
+  float32.
 - ``param_norm_in_step``: the step as it was until the thirteenth session,
   with the parameter norm a metric of every step (a reduction over every
   parameter, which XLA may fuse into the optimizer update) instead of read
@@ -313,6 +320,11 @@ def no_shared_tables(rope):
   return None
 
 
+def no_projected_attention(projection, x, rope):
+  """attention._projected_attention that never takes the fused projection."""
+  return None
+
+
 # ------------------------------------------------------------ the branch bias's gradient
 
 
@@ -363,6 +375,7 @@ VARIANTS = {
     "bias_gemv": [(nn, "Dense", DenseBiasGemv), (nn, "DenseGeneral", DenseBiasGemv)],
     "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
     "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
+    "qkv_rope_in_xla": [(attention_lib, "_projected_attention", no_projected_attention)],
     "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
     "branch_bias_sum_in_xla": [(layer_norm, "add_bias_layer_norm",
                                 _xla_sum_add_bias_layer_norm())],

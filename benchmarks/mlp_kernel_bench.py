@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from darl_jax.kernels import hopper_mlp  # noqa: E402
+from darl_jax.kernels import hopper_gemm, hopper_mlp  # noqa: E402
 from darl_jax.models import vit  # noqa: E402
 
 # rows per image (tokens), width, MLP width
@@ -142,7 +142,7 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
   ]
   rows = []
   for name, kw in cases:
-    fn = jax.jit(lambda x, w, kw=kw: hopper_mlp._gemm(x, w, tiling=tiling, **kw))
+    fn = jax.jit(lambda x, w, kw=kw: hopper_gemm.gemm(x, w, tiling=tiling, **kw))
     try:
       rows.append((f"study: {name}", timed(fn, x, w), str(tiling)))
     except Exception as e:  # noqa: BLE001
@@ -170,7 +170,7 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
 
 def _intervals(trace_file):
   """{(cta, warpgroup): {region: [(start, end), ...]}} from a kernel trace
-  (hopper_mlp._gemm's trace_dir; times in SM clock cycles)."""
+  (hopper_gemm.gemm's trace_dir; times in SM clock cycles)."""
   with open(trace_file) as f:
     events = json.load(f)["traceEvents"]
   open_at, spans = {}, collections.defaultdict(lambda: collections.defaultdict(list))
@@ -231,7 +231,7 @@ def trace_kernels(folder, x, w, b, dy, wt, scale, tiling):
   for i, (name, kw) in enumerate(cases.items()):
     out = os.path.join(folder, f"kernel{i}")
     os.makedirs(out, exist_ok=True)
-    fn = jax.jit(lambda kw=kw, out=out: hopper_mlp._gemm(tiling=tiling, trace_dir=out, **kw))
+    fn = jax.jit(lambda kw=kw, out=out: hopper_gemm.gemm(tiling=tiling, trace_dir=out, **kw))
     jax.block_until_ready(fn())
     jax.effects_barrier()
     files = sorted(glob.glob(os.path.join(out, "*-trace.json")))
@@ -301,7 +301,7 @@ def main():
     return f"g {rel_err(o[0], g_ref):.1e}, gelu' {rel_err(o[1], dg_ref):.1e}"
 
   def forward_with(epilogue):   # the forward kernel with another epilogue, first tiling
-    return jax.jit(lambda x, w, b: hopper_mlp._gemm(x, w, bias=b, epilogue=epilogue,
+    return jax.jit(lambda x, w, b: hopper_gemm.gemm(x, w, bias=b, epilogue=epilogue,
                                                     num_out=2, tiling=tilings[0]))
 
   for t in tilings:
@@ -331,7 +331,7 @@ def main():
              (dy, w2tb, dg_ref.astype(bf)),
              lambda o: f"dh {rel_err(o[0], dh_ref):.1e}, db1 {rel_err(o[1], db1_ref):.1e}")
   kernel_row(f"earlier form: dgelu from h {tilings[0]}",
-             jax.jit(lambda dy, wt, h: hopper_mlp._gemm(dy, wt, aux=h, epilogue=_times_gelu_grad,
+             jax.jit(lambda dy, wt, h: hopper_gemm.gemm(dy, wt, aux=h, epilogue=_times_gelu_grad,
                                                         num_out=1, tiling=tilings[0])[0]),
              (dy, w2tb, h_ref), lambda o: f"dh {rel_err(o, dh_ref):.1e}")
 

@@ -227,6 +227,85 @@ def test_packed_input_the_kernels_cannot_take_names_the_fix():
   assert not ha.fits_qkv(qkv[:3])      # 240 rows: not whole tiles
 
 
+def _projected_inputs(key, b, t, heads, width):
+  ks = jax.random.split(key, 5)
+  x = jax.random.normal(ks[0], (b, t, width)).astype(jnp.bfloat16)
+  kernel = (jax.random.normal(ks[1], (width, 3, heads, D)) * width ** -0.5).astype(jnp.bfloat16)
+  bias = 0.3 * jax.random.normal(ks[2], (3, heads, D))
+  do = jax.random.normal(ks[4], (b, t, heads, D)).astype(jnp.bfloat16)
+  return x, kernel, bias, _rope_tables(ks[3], t, D), do
+
+
+def _projected_reference(x, kernel, bias, rope):
+  """float32: the product, its bias, RoPE on q and k, causal attention."""
+  qkv = jnp.einsum("btw,wchd->btchd", x.astype(jnp.float32), kernel.astype(jnp.float32))
+  return _reference_qkv(qkv, bias, rope)
+
+
+def test_attention_from_the_blocks_input_matches_float32():
+  """causal_attention_projected: the q/k/v product in our kernel with the
+  bias and RoPE in its epilogue, then the attention kernels on that packed
+  array; output and the gradients of x, the kernel and the bias against
+  float32. 4 images of 96 tokens: 64-row attention tiles straddle images,
+  and the projection's 128-row tiles take 3 different entries of its RoPE
+  tables."""
+  x, kernel, bias, rope, do = _projected_inputs(jax.random.key(8), 4, 96, H, 128)
+  packed = ha.project_qkv(x, kernel, bias, rope, interpret=True)
+  qkv = jnp.einsum("btw,wchd->btchd", x.astype(jnp.float32), kernel.astype(jnp.float32))
+  want = ha._query_keys(qkv, bias, rope)
+  assert packed.shape == (4 * 96, 3 * H, D) and packed.dtype == jnp.bfloat16
+  # one rounding of the float32 result (relative 2^-9 per element)
+  assert _rel(packed[:, :2 * H], want) < 3e-3
+  assert _rel(packed[:, 2 * H:], (qkv[:, :, 2] + bias[2]).reshape(4 * 96, H, D)) < 3e-3
+
+  out, vjp = jax.vjp(lambda *a: ha.causal_attention_projected(
+      *a, rope, ha.DEFAULT_ATTENTION_TILING, True), x, kernel, bias)
+  ref, ref_vjp = jax.vjp(lambda *a: _projected_reference(*a, rope), x, kernel, bias)
+  assert out.shape == do.shape and out.dtype == jnp.bfloat16
+  assert _rel(out, ref) < 4e-3
+  grads, want_grads = vjp(do), ref_vjp(do.astype(jnp.float32))
+  for got, want, dtype in zip(grads, want_grads, (jnp.bfloat16, jnp.bfloat16, jnp.float32)):
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _rel(got, want) < 8e-3
+
+
+@pytest.mark.parametrize("seg", [80, 96, 196, 256])
+def test_projection_tables_give_every_tile_its_rows_positions(seg):
+  """Tile e of the projection (``tile_m`` rows) reads entry e % P: row r of
+  it must be position (tile_m e + r) % T; the last entry (v's columns) is
+  the identity rotation."""
+  tile_m = ha.PROJECTION_TILING.tile_m
+  cos = jnp.arange(seg * 2, dtype=jnp.float32).reshape(seg, 2) / (2 * seg)
+  ext_cos, ext_sin = ha.projection_tables(cos, -cos, seg, tile_m)
+  period = ext_cos.shape[0] - 1
+  assert period * tile_m % seg == 0 and ext_cos.shape == (period + 1, tile_m, 2)
+  for e in range(3 * period):
+    rows = (tile_m * e + np.arange(tile_m)) % seg
+    np.testing.assert_array_equal(ext_cos[e % period], cos[rows])
+    np.testing.assert_array_equal(ext_sin[e % period], -cos[rows])
+  np.testing.assert_array_equal(ext_cos[period], 1.0)
+  np.testing.assert_array_equal(ext_sin[period], 0.0)
+
+
+def test_inputs_the_projected_attention_cannot_take_name_the_fix():
+  x, kernel, bias, rope, _ = _projected_inputs(jax.random.key(9), 2, 64, H, 128)
+  assert ha.fits_projected(x, kernel, bias, rope)
+  cases = {
+      "head_dim 64": (x, jnp.zeros((128, 3, 1, 128), jnp.bfloat16), jnp.zeros((3, 1, 128)),
+                      tuple(jnp.zeros((64, 64)) for _ in range(2))),
+      "shared by every image": (x, kernel, bias, tuple(r[None] for r in rope)),
+      "bf16 x and kernel": (x.astype(jnp.float32), kernel, bias, rope),
+      r"a bias \[3, heads, head_dim\]": (x, kernel, None, rope),
+      "rows.*by tile_m=128": (x[:1, :48], kernel, bias, tuple(r[:48] for r in rope)),
+  }
+  for match, args in cases.items():
+    with pytest.raises(ValueError, match=match + ".*causal_attention_qkv"):
+      ha.check_projected(*args)
+    assert not ha.fits_projected(*args)
+  with pytest.raises(ValueError, match=r"\[batch, tokens, width\]"):
+    ha.check_projected(x[0], kernel, bias, rope)
+
+
 def test_each_token_sees_only_earlier_tokens_of_its_own_image():
   """Changing tokens t+1.. of image 1 leaves its outputs up to t alone, and
   changing image 1 at all leaves every other image alone (two of the tiles
@@ -321,6 +400,20 @@ def test_attention_kernels_lower_for_hopper_at_model_sizes(model):
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 3 and whole not in text
 
+  # and from the block's input, the product in our kernel (head dim 64 only:
+  # H/14 takes the packed path above on XLA's product)
+  x = jax.ShapeDtypeStruct((32, tokens, variant.width), jnp.bfloat16)
+  kernel = jax.ShapeDtypeStruct((variant.width,) + packed.shape[2:], jnp.bfloat16)
+  assert ha.fits_projected(x, kernel, bias, (table, table)) == (d == 64)
+  if d == 64:
+    def projected_loss(x, kernel, bias, cos, sin):
+      return jnp.sum(ha.causal_attention_projected(x, kernel, bias, (cos, sin))
+                     .astype(jnp.float32))
+
+    text = jax.jit(jax.grad(projected_loss, (0, 1, 2))).trace(
+        x, kernel, bias, table, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 4 and whole not in text
+
 
 def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
   """model.attention_impl='hopper' in the attention module: same output and
@@ -343,12 +436,13 @@ def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
     return y, g
 
   calls = []      # which kernel entry point the model's forward called
-  for name in ("causal_attention", "causal_attention_qkv"):
+  for name in ("causal_attention", "causal_attention_qkv", "causal_attention_projected"):
     monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
                         calls.append(_n) or _f(*a, **kw))
-  # no RoPE and RoPE shared by the batch: the packed path, RoPE's backward in
-  # the kernels; per-image RoPE: rotated in XLA, then the kernels
-  for rope, path in ((None, "causal_attention_qkv"), (shared, "causal_attention_qkv"),
+  # RoPE shared by the batch: the projection's product in our kernel, its
+  # bias and RoPE in the epilogue; no RoPE: the packed path on XLA's
+  # product; per-image RoPE: rotated in XLA, then the kernels
+  for rope, path in ((None, "causal_attention_qkv"), (shared, "causal_attention_projected"),
                      (per_image, "causal_attention")):
     y_x, g_x = run("xla", rope=rope)
     y_h, g_h = run("hopper", rope=rope)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from darl_jax.kernels import hopper_gemm
 from darl_jax.kernels import hopper_mlp as hm
 from darl_jax.models import vit
 
@@ -79,11 +80,48 @@ def test_matmul_scaled_matches_xla(tiling):
   np.testing.assert_allclose(sums, jnp.sum(dh.astype(jnp.float32), axis=0), rtol=1e-6, atol=1e-5)
 
 
-def test_column_sums_need_the_in_place_epilogue():
-  x = jnp.zeros((128, 64), jnp.bfloat16)
+def test_gemm_options_that_do_not_go_together_name_the_fix():
+  x, w = jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16)
+  same = lambda a, *_: (a,)  # noqa: E731
   with pytest.raises(ValueError, match="col_sums needs one output computed from aux"):
-    hm._gemm(x, jnp.zeros((64, 128), jnp.bfloat16), epilogue=lambda a, *_: (a,), num_out=1,
-             col_sums=True, tiling=SMALL, interpret=True)
+    hopper_gemm.gemm(x, w, epilogue=same, num_out=1, col_sums=True, tiling=SMALL,
+                     interpret=True)
+  with pytest.raises(ValueError, match="row_tables need table_entry"):
+    hopper_gemm.gemm(x, w, epilogue=same, num_out=1, row_tables=(jnp.zeros((1, 64, 32)),),
+                     tiling=SMALL, interpret=True)
+  with pytest.raises(ValueError, match="out_pieces=3 must divide epi=64"):
+    hopper_gemm.gemm(x, w, epilogue=same, num_out=1, out_pieces=3, tiling=SMALL,
+                     interpret=True)
+
+
+def test_gemm_row_tables_and_pieces():
+  """Each tile's epilogue gets the rows of the table entry it asked for (by
+  its row and column), and outputs returned as column pieces are stored side
+  by side: here out = acc * t[0] + t[1] per half, with the entry chosen by
+  both the tile's row and its column."""
+  ks = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(ks[0], (256, 64)).astype(jnp.bfloat16)
+  w = jax.random.normal(ks[1], (64, 128)).astype(jnp.bfloat16)
+  scale, shift = (jax.random.normal(k, (4, 64, 32)) for k in jax.random.split(ks[2]))
+
+  def entry(row, col):   # 64-row, 64-column tiles: (row // 64 + col // 64) % 4
+    return (row // 64 + col // 64) % 4
+
+  def epilogue(acc, _, __, a, b):
+    half = acc.shape[1] // 2
+    return ((acc[:, :half] * a + b, acc[:, half:] * a - b),)
+
+  (out,) = hopper_gemm.gemm(x, w, epilogue=epilogue, num_out=1, row_tables=(scale, shift),
+                            table_entry=entry, out_pieces=2, tiling=SMALL, interpret=True)
+  acc = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  want = np.zeros((256, 128), np.float32)
+  for i in range(4):
+    for j in range(2):
+      e = (i + j) % 4
+      tile = acc[64 * i:64 * (i + 1), 64 * j:64 * (j + 1)]
+      want[64 * i:64 * (i + 1), 64 * j:64 * j + 32] = tile[:, :32] * scale[e] + shift[e]
+      want[64 * i:64 * (i + 1), 64 * j + 32:64 * (j + 1)] = tile[:, 32:] * scale[e] - shift[e]
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2)
 
 
 def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
@@ -249,7 +287,7 @@ def test_mlp_kernel_bench_parses_tilings():
 
 
 def test_kernel_trace_summary_counts_overlap_and_idle_time(tmp_path):
-  """mlp_kernel_bench's reading of a kernel trace (hopper_mlp._gemm's
+  """mlp_kernel_bench's reading of a kernel trace (hopper_gemm.gemm's
   trace_dir), on a hand-made one: in CTA 0 warpgroup 0 runs its main loop
   over [0, 100) and [220, 300), its epilogues over [100, 140) and [300, 320);
   warpgroup 1 its main loop over [100, 200) and its epilogue over [200, 250).

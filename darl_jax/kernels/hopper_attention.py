@@ -76,6 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from darl_jax.kernels import hopper_gemm
 from darl_jax.kernels.mosaic import interpret_params, swizzled
 
 BLOCK = 64            # rows of every tile: one wgmma M, and a 128-byte bf16 row at D = 64
@@ -932,6 +933,160 @@ def _attention_bwd(tiling, interpret, res, do):
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# ------------------------------------------- the projection's epilogue: bias + RoPE
+
+# The q/k/v projection's own tiling: 128 x 128 output tiles (two heads of 64)
+# and 64 x 64 epilogue sub-tiles, one head each, so that the pairs RoPE
+# rotates together (columns c and c + 32 of a head) are in one sub-tile.
+PROJECTION_TILING = hopper_gemm.Tiling()
+
+
+def check_projected(x, kernel, bias, rope, tiling: hopper_gemm.Tiling = PROJECTION_TILING
+                    ) -> None:
+  """Errors that name the fix for inputs ``causal_attention_projected`` does
+  not take."""
+  problems = []
+  if x.ndim != 3 or kernel.ndim != 4 or kernel.shape[0] != x.shape[-1] or kernel.shape[1] != 3:
+    raise ValueError(f"x must be [batch, tokens, width] and the kernel [width, 3, heads, "
+                     f"head_dim], got {x.shape} and {kernel.shape}")
+  b, t, width = x.shape
+  _, _, heads, d = kernel.shape
+  if bias is None or bias.shape != kernel.shape[1:]:
+    problems.append(f"a bias [3, heads, head_dim] = {list(kernel.shape[1:])} "
+                    f"(got {None if bias is None else bias.shape})")
+  if d != tiling.epi or tiling.tile_n % d:
+    problems.append(f"head_dim {tiling.epi} (one head per epilogue sub-tile), got {d}")
+  if x.dtype != jnp.bfloat16 or kernel.dtype != jnp.bfloat16:
+    problems.append(f"bf16 x and kernel, got {x.dtype} and {kernel.dtype}")
+  if rope is None or any(r.shape != (t, d // 2) for r in rope):
+    problems.append(f"one RoPE table pair [tokens, head_dim / 2] = {[t, d // 2]} shared by "
+                    f"every image")
+  try:
+    tiling.check(b * t, 3 * heads * d, width)
+    check_shapes(*(jax.ShapeDtypeStruct((b, t, heads, d), x.dtype),) * 3)
+  except ValueError as e:
+    problems.append(str(e))
+  if problems:
+    raise ValueError("causal_attention_projected needs " + "; ".join(problems)
+                     + ". Project with the model's Dense and call causal_attention_qkv "
+                     "(models/attention.py does when this does not fit).")
+
+
+def fits_projected(x, kernel, bias, rope) -> bool:
+  try:
+    check_projected(x, kernel, bias, rope)
+  except ValueError:
+    return False
+  return True
+
+
+def projection_tables(cos, sin, seg: int, tile_m: int):
+  """RoPE's ``[T, D/2]`` tables laid out for the projection's tiles: entry e
+  of ``[P + 1, tile_m, D/2]`` holds the positions of flat rows ``tile_m e ..``
+  (row r is position r % T; P = T / gcd(tile_m, T) entries make one period),
+  and the last entry is the identity rotation (cos 1, sin 0), which v's
+  columns take."""
+  period = seg // math.gcd(tile_m, seg)
+  pos = jnp.arange(period * tile_m) % seg
+  out = []
+  for table, fill in ((cos, 1.0), (sin, 0.0)):
+    rows = jnp.asarray(table, jnp.float32)[pos].reshape(period, tile_m, -1)
+    out.append(jnp.concatenate([rows, jnp.full((1,) + rows.shape[1:], fill, jnp.float32)]))
+  return tuple(out)
+
+
+def _rope_epilogue(acc, bias, _, cos, sin):
+  """One head's ``[64, D]`` sub-tile: the bias, then RoPE's rotation of the
+  halves (x1 c - x2 s, x2 c + x1 s), as two pieces (see hopper_gemm.gemm's
+  ``out_pieces``)."""
+  h = acc + lax.broadcast_in_dim(bias, acc.shape, [1])
+  half = h.shape[1] // 2
+  x1, x2 = h[:, :half], h[:, half:]
+  return ((x1 * cos - x2 * sin, x2 * cos + x1 * sin),)
+
+
+def project_qkv(x, kernel, bias, rope, tiling: hopper_gemm.Tiling = PROJECTION_TILING,
+                interpret: bool = False):
+  """``x [B, T, W] @ kernel [W, 3, H, D] + bias`` with RoPE applied to q and
+  k, in one kernel (the bias and the rotation in the product's epilogue, in
+  float32): ``[B T, 3H, D]`` bf16, the packed layout the attention kernels
+  read."""
+  b, t, width = x.shape
+  _, _, heads, d = kernel.shape
+  tables = projection_tables(*rope, t, tiling.tile_m)
+  period = tables[0].shape[0] - 1
+  qk_cols = 2 * heads * d
+
+  def entry(row, col):
+    return jnp.where(col < qk_cols, row // tiling.tile_m % period, period)
+
+  (out,) = hopper_gemm.gemm(
+      x.reshape(b * t, width), kernel.reshape(width, 3 * heads * d),
+      bias=bias.reshape(-1).astype(jnp.float32), epilogue=_rope_epilogue, num_out=1,
+      row_tables=tables, table_entry=entry, out_pieces=2, tiling=tiling,
+      interpret=interpret)
+  return out.reshape(b * t, 3 * heads, d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def causal_attention_projected(x, kernel, bias, rope,
+                               tiling: AttentionTiling = DEFAULT_ATTENTION_TILING,
+                               interpret: bool = False):
+  """Causal attention straight from the block's input: ``x [B, T, W]`` bf16,
+  the q/k/v projection's ``kernel [W, 3, H, D]`` (bf16) and ``bias [3, H,
+  D]``, RoPE's ``rope = (cos, sin)`` (``[T, D/2]``, shared by every image):
+  the same function as ``causal_attention_qkv(x @ kernel, bias, rope)``.
+
+  The projection is our own product kernel (hopper_gemm.gemm) with the bias
+  and RoPE's rotation in its epilogue, so q and k come out rotated: no pass
+  of XLA's reads the product back to add the bias and rotate q and k (2.4 ms
+  of a 198 ms ViT-L/16 step at batch 256 on an H200), and the forward
+  attention kernel reads q, k and v from that one array (no copy of v for
+  the backward). The rounding differs from the model's XLA path: the bias
+  and the rotation are applied to the float32 product and rounded to bf16
+  once, where the XLA path rounds the product, then the biased product,
+  then the rotation.
+
+  The backward is causal_attention_qkv's (RoPE's transpose and the bias's
+  column sums in the attention kernels' epilogues), then the projection's
+  two products, XLA's."""
+  return _projected_fwd(x, kernel, bias, rope, tiling, interpret)[0]
+
+
+def _projected_fwd(x, kernel, bias, rope, tiling, interpret):
+  check_projected(x, kernel, bias, rope)
+  b, t, _ = x.shape
+  heads = kernel.shape[2]
+  packed = project_qkv(x, kernel, bias, rope, interpret=interpret)
+  o, lse = _forward(packed, packed, packed, None, _packed(heads), t, tiling, interpret)
+  # an empty array keeps the bias's dtype for its gradient
+  return o.reshape(b, t, heads, -1), (x, kernel, packed, o, lse, rope,
+                                      jnp.zeros((0,), bias.dtype))
+
+
+def _projected_bwd(tiling, interpret, res, do):
+  x, kernel, packed, o, lse, rope, bias_like = res
+  b, t, width = x.shape
+  heads, d = do.shape[2:]
+  tables = extended_tables(*rope, t, tiling.rope_tables)
+  # head dim 64 (check_projected): the bias gradient's column sums are taken
+  # in the backward kernels' epilogues (see _qkv_bwd)
+  dqkv, sums = _backward(packed, packed, packed, None, o, lse, do, tables, _packed(heads),
+                         tiling, interpret, sums=True)
+  flat = dqkv.reshape(b * t, 3 * heads * d)
+  x2 = x.reshape(b * t, width)
+  dkernel = lax.dot_general(x2, flat, (((0,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  dx = lax.dot_general(flat, kernel.reshape(width, -1), (((1,), (1,)), ((), ())))
+  return (dx.reshape(x.shape).astype(x.dtype), dkernel.reshape(kernel.shape).astype(kernel.dtype),
+          sums.astype(bias_like.dtype), tuple(jnp.zeros_like(r) for r in rope))
+
+
+causal_attention_projected.defvjp(_projected_fwd, _projected_bwd)
+
+
 __all__: Sequence[str] = ("AttentionTiling", "DEFAULT_ATTENTION_TILING", "BLOCK",
-                          "causal_attention", "causal_attention_qkv", "check_qkv",
-                          "check_shapes", "extended_tables", "fits", "fits_qkv")
+                          "PROJECTION_TILING", "causal_attention", "causal_attention_projected",
+                          "causal_attention_qkv", "check_projected", "check_qkv",
+                          "check_shapes", "extended_tables", "fits", "fits_projected",
+                          "fits_qkv", "project_qkv", "projection_tables")

@@ -117,11 +117,14 @@ class QkvProjection(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, query_rows: slice | None = None):
+  def __call__(self, x: jax.Array, query_rows: slice | None = None,
+               weights_only: bool = False):
     """``query_rows`` (a slice of the token axis): return ``(q product of
     those tokens [B, t, heads, head_dim], k/v product of every token [B, T,
     2, heads, head_dim], bias)``, the queries of the other tokens not
-    computed."""
+    computed. ``weights_only``: return ``(x, kernel [width, 3, heads,
+    head_dim], bias)`` in ``dtype`` and compute nothing, for a caller that
+    takes the product in its own kernel."""
     width = x.shape[-1]
     if width % self.num_heads:
       raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
@@ -133,6 +136,8 @@ class QkvProjection(nn.Module):
     kernel = self.param("kernel", kernel_init, (width,) + features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, features, jnp.float32)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    if weights_only:
+      return x, kernel, bias
     contract = (((x.ndim - 1,), (0,)), ((), ()))
     if query_rows is None:
       return jax.lax.dot_general(x, kernel, contract), bias
@@ -226,6 +231,26 @@ def _hopper_qkv_attention(product, bias, rope):
       jax.default_backend() != "gpu")
 
 
+def _projected_attention(projection: "QkvProjection", x, rope):
+  """Causal attention from the block's input through the Hopper kernels,
+  the q/k/v product included: the bias and RoPE in the product's epilogue,
+  q, k, v read from it by the attention kernels
+  (hopper_attention.causal_attention_projected). None where that does not
+  fit (no RoPE or per-image tables, head dims other than 64, row counts
+  that its tiles do not divide), for causal_attention_qkv on XLA's product."""
+  tables = _shared_tables(rope)
+  if tables is None:
+    return None
+  from darl_jax.kernels import hopper_attention
+  _require_hopper()
+  x, kernel, bias = projection(x, weights_only=True)
+  if not hopper_attention.fits_projected(x, kernel, bias, tables):
+    return None
+  return hopper_attention.causal_attention_projected(
+      x, kernel, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING,
+      jax.default_backend() != "gpu")
+
+
 class MultiHeadAttention(nn.Module):
   """Pre-projected multi-head attention; RoPE tables are passed in, not rebuilt.
 
@@ -264,8 +289,13 @@ class MultiHeadAttention(nn.Module):
           q, k, v, causal=False, impl=self.impl,
           mask=None if mask is None else mask[:, :, readout:readout + 1])
     else:
-      product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(x)
-      if check_attention_impl(self.impl) == "hopper" and self.causal and mask is None:
+      projection = QkvProjection(self.num_heads, self.dtype, name="qkv")
+      hopper = check_attention_impl(self.impl) == "hopper" and self.causal and mask is None
+      if hopper:
+        out = _projected_attention(projection, x, rope)
+      if out is None:
+        product, bias = projection(x)
+      if hopper and out is None:
         out = _hopper_qkv_attention(product, bias, rope)
       if out is None:
         q, k, v = split_qkv(product + bias, rope)
