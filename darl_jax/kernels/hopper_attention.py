@@ -35,7 +35,7 @@ wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
 at head dim 64, so several share a multiprocessor and hide each other's
 latencies.
 
-Two entry points wrap them with a custom gradient:
+Three entry points wrap them with a custom gradient:
 
 - ``causal_attention_qkv(qkv, bias, rope)``, what the model calls: it takes
   the packed projection's product ``[B, T, 3, H, D]``, its bias and RoPE's
@@ -56,6 +56,17 @@ Two entry points wrap them with a custom gradient:
   whole gradient (2.2 ms of a 182 ms ViT-L/16 step at batch 256). Where the
   staged tiles are no wgmma operand (head dim 80 with RoPE: 80-byte halves)
   XLA sums the gradient as before.
+- ``causal_attention_projected(x, kernel, bias, rope)``, what the model
+  calls where it fits (head dim 64, RoPE tables shared by the batch): from
+  the block's input, the q/k/v product included. The product is our own
+  kernel (hopper_gemm.gemm) with the bias and RoPE's rotation of q and k in
+  its epilogue, in float32 while the product is in registers, so the pass
+  above that rotated q and k is gone and the forward kernel reads q, k and
+  v from the one packed array (which the backward keeps, in place of the
+  rotated q, k and the copy of v). The backward is
+  ``causal_attention_qkv``'s kernels, then the projection's two products
+  (XLA's). At ViT-L/16, batch 256 on an H200: the projection 0.455 ms per
+  layer against 0.520 for XLA's product and pass, the training step +1.2%.
 - ``causal_attention(q, k, v)`` on three ``[B, T, H, D]`` arrays, for
   per-image RoPE tables and other callers.
 
