@@ -55,6 +55,17 @@ def parse_shape(text: str):
   return (int(batch or 128), t, h, d)
 
 
+def fwd_bwd(f):
+  """``g(*inputs, do)``, jitted: f's output and the gradients of its inputs
+  for the output cotangent ``do``."""
+  @jax.jit
+  def g(*args):
+    *inputs, do = args
+    out, vjp = jax.vjp(f, *inputs)
+    return (out,) + vjp(do.astype(out.dtype))
+  return g
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", type=parse_shape, default="L/16:128",
@@ -79,13 +90,6 @@ def main():
 
   def kernel(slots):
     return lambda q, k, v: ha.causal_attention(q, k, v, ha.AttentionTiling(slots))
-
-  def fwd_bwd(f):
-    @jax.jit
-    def g(q, k, v, do):
-      out, vjp = jax.vjp(f, q, k, v)
-      return (out,) + vjp(do.astype(out.dtype))
-    return g
 
   ref = fwd_bwd(plain("xla", jnp.float32))(q, k, v, do)
   slots = [int(s) for s in args.slots.split(",") if s]
@@ -137,13 +141,6 @@ def rope_table(q, k, v, do, iters: int):
   rope = (jnp.cos(angles), jnp.sin(angles))
   with_bias = lambda f: lambda qkv: f(qkv, bias)  # noqa: E731
 
-  def fwd_bwd(f):
-    @jax.jit
-    def g(qkv, do):
-      out, vjp = jax.vjp(f, qkv)
-      return (out,) + vjp(do.astype(out.dtype))
-    return g
-
   def cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
@@ -190,13 +187,6 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int):
 
   def projected(x, kernel, bias):
     return ha.causal_attention_projected(x, kernel, bias, rope)
-
-  def fwd_bwd(f):
-    @jax.jit
-    def g(x, kernel, bias, do):
-      out, vjp = jax.vjp(f, x, kernel, bias)
-      return (out,) + vjp(do.astype(out.dtype))
-    return g
 
   if not ha.fits_projected(x, kernel, bias, rope):
     print(f"\n(no projection table: {h} heads of {d} do not fit causal_attention_projected)")

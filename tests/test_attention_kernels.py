@@ -453,6 +453,26 @@ def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
   np.testing.assert_array_equal(run("hopper", causal=False)[0], run("xla", causal=False)[0])
 
 
+def test_head_dim_80_takes_xlas_product_then_the_packed_kernels(monkeypatch):
+  """ViT-H/14's head dim 80 is not one epilogue sub-tile: the model projects
+  with XLA's product and calls causal_attention_qkv (same parameters, same
+  output as the xla path)."""
+  x = jax.random.normal(jax.random.key(0), (2, 64, 160)).astype(jnp.bfloat16)
+  rope = tuple(t[None] for t in _rope_tables(jax.random.key(1), 64, 80))
+  calls = []
+  for name in ("causal_attention_qkv", "causal_attention_projected"):
+    monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
+                        calls.append(_n) or _f(*a, **kw))
+  outs = {}
+  for impl in ("hopper", "xla"):
+    mod = attention.MultiHeadAttention(2, impl=impl, dtype=jnp.bfloat16)
+    params = mod.init(jax.random.key(2), x, rope)
+    assert params["params"]["qkv"]["kernel"].shape == (160, 3, 2, 80)
+    outs[impl] = mod.apply(params, x, rope)
+  assert set(calls) == {"causal_attention_qkv"}
+  assert _rel(outs["hopper"], outs["xla"]) < 1e-2
+
+
 def test_vit_from_config_takes_attention_impl_hopper():
   config = config_lib.imagenet_pretrain_config("L/16", "mse")
   config.model.attention_impl = "hopper"

@@ -5,7 +5,7 @@ float32 output sub-tile to an elementwise ``epilogue`` before it is stored,
 so work that XLA would do in a pass of its own over the product (a bias, an
 activation, a rotation) is done while the product is still in registers.
 Its users: the ViT MLP's GELU kernels (hopper_mlp.py) and the q/k/v
-projection with its bias and RoPE (hopper_qkv.py).
+projection with its bias and RoPE (hopper_attention.project_qkv).
 
 One Pallas Mosaic GPU kernel: a persistent grid over output tiles; per CTA
 one memory warpgroup streams A and B tiles into shared memory through the
@@ -78,10 +78,11 @@ class Tiling:
       problems.append(f"tile {self.tile_m}x{self.tile_n} by epi={self.epi}")
     if problems:
       raise ValueError(
-          "the Hopper MLP kernels need divisible shapes; cannot divide "
+          "the Hopper GEMM kernels need divisible shapes; cannot divide "
           + "; ".join(problems)
-          + ". Use the plain MLP (models.vit.Mlp) for this shape, or a batch "
-          "size that makes batch x tokens a multiple of tile_m.")
+          + ". Use a batch size that makes batch x tokens a multiple of tile_m, "
+          "or XLA's path for this shape (the plain MLP, models.vit.Mlp; the "
+          "attention's own projection, causal_attention_qkv).")
 
 
 DEFAULT_TILING = Tiling()
@@ -100,7 +101,7 @@ def gemm(a, b, *, epilogue: Callable, num_out: int, bias=None, aux=None,
          col_sums: bool = False, row_tables: Sequence = (), table_entry: Callable | None = None,
          out_pieces: int = 1, tiling: Tiling = DEFAULT_TILING, interpret: bool = False,
          trace_dir: str = ""):
-  """``epilogue(a @ b, bias, aux)`` per output tile, in one kernel.
+  """``epilogue(a @ b, bias, aux[, *tables])`` per output tile, in one kernel.
 
   ``a [M, K]`` and ``b [K, N]`` bf16; ``bias [N]`` float32 and ``aux [M, N]``
   bf16 are optional extra inputs whose matching slices reach the epilogue
