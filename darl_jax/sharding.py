@@ -210,6 +210,31 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(grid, MESH_AXES)
 
 
+# The model options that run our Pallas kernels, and the value that does not.
+KERNEL_OPTIONS = {"attention_impl": ("hopper",), "mlp_impl": ("hopper",),
+                  "norm_impl": ("triton",)}
+
+
+def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
+  """A warning for Pallas kernel options on a mesh of several devices, else None.
+
+  The kernels are custom calls with no partitioning rule (jax registers none
+  for Pallas Mosaic GPU or Triton calls), and XLA's partitioner runs such a
+  call on replicated operands: each device would gather the whole batch's
+  activations and run the kernel on all of it. They are measured and meant
+  for one device per mesh (benchmarks/RESULTS.md)."""
+  if model_cfg is None or mesh.size <= 1:
+    return None
+  on = [f"model.{k}={model_cfg.get(k)}" for k, values in KERNEL_OPTIONS.items()
+        if model_cfg.get(k) in values]
+  if not on:
+    return None
+  return (f"{', '.join(on)} on a mesh of {mesh.size} devices: these Pallas kernels have no "
+          "partitioning rule, so XLA runs each on the whole gathered batch on every device "
+          "(correct, but slower than without them). On several devices use "
+          "model.attention_impl=cudnn, model.mlp_impl=xla and model.norm_impl=xla.")
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp, the rest replicated."""
   return NamedSharding(mesh, P(("data", "fsdp")))

@@ -130,6 +130,22 @@ def test_make_mesh_on_the_local_device():
     sharding_lib.make_mesh({"data": 2})
 
 
+def test_kernel_options_on_several_devices_get_a_warning_that_names_the_fix():
+  import types
+  import ml_collections
+  model = ml_collections.ConfigDict({"attention_impl": "hopper", "mlp_impl": "xla",
+                                     "norm_impl": "triton"})
+  two, one = types.SimpleNamespace(size=2), types.SimpleNamespace(size=1)
+  text = sharding_lib.kernel_mesh_warning(model, two)
+  assert "model.attention_impl=hopper, model.norm_impl=triton on a mesh of 2" in text
+  assert "mlp_impl=hopper" not in text and "model.attention_impl=cudnn" in text
+  assert sharding_lib.kernel_mesh_warning(model, one) is None
+  plain = ml_collections.ConfigDict({"attention_impl": "cudnn", "mlp_impl": "xla",
+                                     "norm_impl": "xla"})
+  assert sharding_lib.kernel_mesh_warning(plain, two) is None
+  assert sharding_lib.kernel_mesh_warning(None, two) is None
+
+
 # ------------------------------------------------------------ memory estimate
 # Hand count for tests/tiny_config.py (MSE): width D=64, 2 blocks, H=2 heads,
 # MLP F=256, 2x2 patches of 1 channel (P=4) on 8x8 images: T=16 tokens, fp32.

@@ -272,6 +272,9 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
 
   # ------------------------------------------------------------ mesh and data
   mesh = sharding_lib.make_mesh(config.mesh)
+  warning = sharding_lib.kernel_mesh_warning(config.get("model"), mesh)
+  if warning:
+    logging.warning(warning)
   if not trainer.trains:
     ctx = Context(config, workdir, mesh, None, None, writer, 0)
     trainer.finalize(ctx, trainer.build_model(ctx), None)
