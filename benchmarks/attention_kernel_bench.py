@@ -88,13 +88,15 @@ def main():
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return f
 
-  def kernel(slots):
-    return lambda q, k, v: ha.causal_attention(q, k, v, ha.AttentionTiling(slots))
+  def kernel(slots, dq_from_ds=False):
+    tiling = ha.AttentionTiling(slots, dq_from_ds=dq_from_ds)
+    return lambda q, k, v: ha.causal_attention(q, k, v, tiling)
 
   ref = fwd_bwd(plain("xla", jnp.float32))(q, k, v, do)
   slots = [int(s) for s in args.slots.split(",") if s]
   candidates = {"cudnn": plain("cudnn"), "xla (bf16)": plain("xla")}
   candidates.update({f"kernels, slots={s}": kernel(s) for s in slots})
+  candidates.update({f"kernels, slots={s}, dQ from stored dS": kernel(s, True) for s in slots})
   flops_fwd = 4 * b * h * t * t * d / 2
   print("| computation | max rel. error (out, dq, dk, dv) | fwd ms | fwd+bwd ms | "
         "fwd+bwd TFLOP/s |")
@@ -150,7 +152,9 @@ def rope_table(q, k, v, do, iters: int):
       "bias + RoPE in XLA, kernels on q, k, v": with_bias(rotated(ha.causal_attention, rope)),
       **{f"causal_attention_qkv (bias, RoPE backward in the kernels), {dt} tables":
          (lambda x, dt=dt: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(2, dt)))
-         for dt in ("float32", "bfloat16")}}
+         for dt in ("float32", "bfloat16")},
+      "causal_attention_qkv, bfloat16 tables, dQ from stored dS":
+      lambda x: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(dq_from_ds=True))}
   print()
   print("| from packed qkv, with RoPE | max rel. error (out, dqkv) | fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
@@ -185,8 +189,8 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int):
   def xla_then_kernels(x, kernel, bias):
     return ha.causal_attention_qkv(product(x, kernel), bias.astype(x.dtype), rope)
 
-  def projected(x, kernel, bias):
-    return ha.causal_attention_projected(x, kernel, bias, rope)
+  def projected(x, kernel, bias, tiling=ha.DEFAULT_ATTENTION_TILING):
+    return ha.causal_attention_projected(x, kernel, bias, rope, tiling)
 
   if not ha.fits_projected(x, kernel, bias, rope):
     print(f"\n(no projection table: {h} heads of {d} do not fit causal_attention_projected)")
@@ -197,7 +201,9 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int):
         "| fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
   for name, f in {"XLA qkv product, causal_attention_qkv": xla_then_kernels,
-                  "causal_attention_projected": projected}.items():
+                  "causal_attention_projected": projected,
+                  "causal_attention_projected, dQ from stored dS":
+                  lambda *a: projected(*a, ha.AttentionTiling(dq_from_ds=True))}.items():
     got = fwd_bwd(f)(x, kernel, bias, do)
     errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
     t_f = timed(jax.jit(f), x, kernel, bias, iters=iters) * 1e3

@@ -32,6 +32,12 @@ session"); a new XLA may change that, which is why they are kept runnable:
   kernel's epilogue). Rounding differs slightly (see
   causal_attention_projected): the loss agrees to bf16 rounding, not
   float32.
+- ``dq_from_ds`` (with ``model.attention_impl=hopper``): the attention
+  backward's other schedule, ``AttentionTiling(dq_from_ds=True)`` (dK/dV
+  first, storing each tile pair's dS^T; dQ from those tiles, one product per
+  pair), instead of the default's dQ kernel that recomputes S, dP and dS.
+  Built in the fifteenth session and not measured yet (no device time was
+  left); the same function (tests/test_attention_kernels.py).
 - ``param_norm_in_step``: the step as it was until the thirteenth session,
   with the parameter norm a metric of every step (a reduction over every
   parameter, which XLA may fuse into the optimizer update) instead of read
@@ -72,7 +78,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from darl_jax.kernels import layer_norm  # noqa: E402
+from darl_jax.kernels import hopper_attention, layer_norm  # noqa: E402
 from darl_jax.models import attention as attention_lib  # noqa: E402
 from darl_jax.models import posenc, vit  # noqa: E402
 from darl_jax.train import loop  # noqa: E402
@@ -376,6 +382,8 @@ VARIANTS = {
     "qkv_bias_split": [(attention_lib, "QkvProjection", QkvProjectionBiasSplit)],
     "rope_in_xla": [(attention_lib, "_shared_tables", no_shared_tables)],
     "qkv_rope_in_xla": [(attention_lib, "_projected_attention", no_projected_attention)],
+    "dq_from_ds": [(hopper_attention, "DEFAULT_ATTENTION_TILING",
+                    hopper_attention.AttentionTiling(dq_from_ds=True))],
     "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
     "branch_bias_sum_in_xla": [(layer_norm, "add_bias_layer_norm",
                                 _xla_sum_add_bias_layer_norm())],

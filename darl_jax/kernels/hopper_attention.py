@@ -29,7 +29,9 @@ With a qkv bias, ``_dq`` and ``_dkv`` also write the column sums of the
 gradient tiles they store (``_column_sums``; see causal_attention_qkv).
 
 Splitting dQ from dK/dV recomputes two products per tile pair but needs no
-atomics. Probabilities and score gradients stay in registers as the next
+atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade, not the
+default until measured: dK/dV first, storing every pair's dS^T tile, then
+``_dq_from_ds`` with one product per pair.) Probabilities and score gradients stay in registers as the next
 product's A operand, and independent products are issued together (one
 wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
 at head dim 64, so several share a multiprocessor and hide each other's
@@ -106,9 +108,19 @@ class AttentionTiling:
   the rotation's transpose with: ``float32`` (two ``[64, D/2]`` tiles in
   shared memory) or ``bfloat16`` (one ``[64, D]`` tile, cos | sin: less
   shared memory, so more CTAs per multiprocessor, for a rounding of the
-  tables about that of the bf16 gradients themselves)."""
+  tables about that of the bf16 gradients themselves).
+
+  ``dq_from_ds``: the backward's other schedule. The dK/dV kernel runs
+  first (delta = rowsum(dO * O) taken by XLA before it) and stores each
+  tile pair's score gradient dS^T as bf16, and the dQ kernel takes dQ = dS K
+  from those tiles, one product per pair instead of recomputing S, dP and
+  the softmax (three). It moves dS through memory (0.4 GB per ViT-L/16
+  layer at batch 256, written and read once) to save the products. Head dim
+  64 only (B/16, L/16): at 80 Mosaic GPU (jax 0.10) finds no layout for the
+  transposed dS operand, and the default schedule runs."""
   slots: int = 2
   rope_tables: str = "bfloat16"
+  dq_from_ds: bool = False
 
 
 # slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
@@ -211,14 +223,15 @@ class _Ops:
 
 @dataclasses.dataclass(frozen=True)
 class _Mm:
-  """One product ``acc + a @ b`` (``a @ b^T`` when ``b_t``): ``a`` a
-  shared-memory tile or a bf16 register array (probabilities, score
-  gradients), ``b`` a shared-memory tile, ``acc`` a float32 running sum or
-  None (zeros)."""
+  """One product ``acc + a @ b`` (``a @ b^T`` when ``b_t``, ``a^T @ b`` when
+  ``a_t``): ``a`` a shared-memory tile or a bf16 register array
+  (probabilities, score gradients), ``b`` a shared-memory tile, ``acc`` a
+  float32 running sum or None (zeros)."""
   a: object
   b: object
   b_t: bool = False
   acc: object = None
+  a_t: bool = False
 
 
 def _products(mms: Sequence[_Mm], ops: "_Ops"):
@@ -234,12 +247,13 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
   """
   def rows_cols(mm):
     b_shape = mm.b.shape
-    return mm.a.shape[0], b_shape[0] if mm.b_t else b_shape[1]
+    return mm.a.shape[1 if mm.a_t else 0], b_shape[0] if mm.b_t else b_shape[1]
 
   if ops.interpret:
     outs = []
     for mm in mms:
       a = mm.a if isinstance(mm.a, jax.Array) else mm.a[...]
+      a = a.T if mm.a_t else a
       b = mm.b[...].T if mm.b_t else mm.b[...]
       out = jnp.dot(a, b, preferred_element_type=jnp.float32)
       outs.append(out if mm.acc is None else mm.acc + out)
@@ -247,7 +261,8 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
 
   def body(acc_refs):
     for mm, ref in zip(mms, acc_refs):
-      plgpu.wgmma(ref, mm.a, plgpu.transpose_ref(mm.b, (1, 0)) if mm.b_t else mm.b)
+      plgpu.wgmma(ref, plgpu.transpose_ref(mm.a, (1, 0)) if mm.a_t else mm.a,
+                  plgpu.transpose_ref(mm.b, (1, 0)) if mm.b_t else mm.b)
   inits = tuple(plgpu.ACC.init(ops.zeros(rows_cols(mm)) if mm.acc is None else mm.acc)
                 for mm in mms)
   return list(pl.run_state(body)(inits))
@@ -299,6 +314,11 @@ class _Geometry:
     """Shared memory for one ``[64, D]`` tile (one per slot if ``slotted``)."""
     return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, self.d), self.dtype,
                       transforms=swizzled(self.d, self.dtype))
+
+  def scores(self, slotted: bool = False):
+    """Shared memory for one ``[64, 64]`` tile of scores (a pair's dS^T)."""
+    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, BLOCK), self.dtype,
+                      transforms=swizzled(BLOCK, self.dtype))
 
   def half(self, dtype):
     """Shared memory for one ``[64, D/2]`` tile (a RoPE table's rows, or
@@ -674,20 +694,28 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   """Writes dK (heads H..2H-1, after RoPE's transpose when ``tables`` are
   given) and dV (2H..3H-1) into ``grads``, a ``jax.Ref`` of _dq's output.
   -> with ``sums``, each tile's column sums of dK and dV, ``[N / 64, 2H,
-  D]`` float32 (dK's at heads 0..H-1, dV's at H..; _column_sums), else ()."""
+  D]`` float32 (dK's at heads 0..H-1, dV's at H..; _column_sums), else ().
+
+  ``grads=None`` (``tiling.dq_from_ds``): the gradient array is this
+  kernel's first output instead (dQ's heads left for _dq_from_ds), and the
+  last output is every tile pair's dS^T, ``[H, N / 64, span, 64, 64]``
+  bf16: key tile c's pair with query tile c + j at ``[h, c, j]``."""
   g = _Geometry.of(v, at, seg, tiling, _kv_span)
   ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
+  store_ds = grads is None
 
   def body(*refs):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
     table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
-    dqkv_ref, *refs = refs
+    dqkv_ref, *refs = refs      # an input Ref, or (store_ds) the first output
     sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
+    ds_ref, refs = (refs[0], refs[1:]) if store_ds else (None, refs)
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *refs) = refs
     rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
-    sums_smem, (held_bar, q_bar) = (refs[0], refs[1:]) if sums else (None, refs)
+    sums_smem, refs = (refs[0], refs[1:]) if sums else (None, refs)
+    ds_smem, (held_bar, q_bar) = (refs[0], refs[1:]) if store_ds else (None, refs)
     c, h = lax.axis_index("tile"), lax.axis_index("head")
     k0 = c * BLOCK
     first, n = _kv_span(c, seg)
@@ -710,8 +738,14 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
       keep = _mask((first + j) * BLOCK, k0, seg, True, ops.iota)
       pt = jnp.where(keep, pt, 0.0)
       delta_cols = ops.cols(delta_smem.at[slot])
-      dst = pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))
-      dk, dv = _products([_Mm(dst.astype(k_smem.dtype), q_smem.at[slot], acc=dk),
+      dst = (pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))).astype(k_smem.dtype)
+      if store_ds:
+        # one staging tile: the previous pair's store has read it by now
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        ds_smem[...] = dst
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[h, c, j])
+      dk, dv = _products([_Mm(dst, q_smem.at[slot], acc=dk),
                           _Mm(pt.astype(k_smem.dtype), do_smem.at[slot], acc=dv)], ops)
       return dk, dv
 
@@ -732,11 +766,89 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   if rope:
     scratch += g.rope_scratch(tables)
   scratch += [g.sums(2)] if sums else []
+  scratch += [g.scores()] if store_ds else []
   scratch += [plgpu.Barrier(num_arrivals=2 + nt, num_barriers=1),
               plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
+  out_type = (g.sums_out(2),) if sums else ()
+  if store_ds:
+    span = _max_span(_kv_span, g.rows // BLOCK, seg)
+    out_type = ((g.grads_out(),) + out_type
+                + (jax.ShapeDtypeStruct((g.heads, g.rows // BLOCK, span, BLOCK, BLOCK),
+                                        g.dtype),))
   return g.call("dkv", body, inputs=(q, k, v, do, lse, delta) + (tuple(tables) if rope else ())
-                + (grads,), out_type=(g.sums_out(2),) if sums else (), scratch=scratch,
+                + (() if store_ds else (grads,)), out_type=out_type, scratch=scratch,
                 interpret=interpret)
+
+
+def _dq_from_ds(k, ds, grads, tables, at, seg: int, tiling: AttentionTiling, interpret: bool,
+                sums: bool = False):
+  """Writes dQ = scale * dS K (heads 0..H-1, after RoPE's transpose when
+  ``tables`` are given) into ``grads``, a ``jax.Ref`` of _dkv's output, from
+  the dS^T tiles _dkv stored (``tiling.dq_from_ds``): query tile i streams
+  its key tiles c and the pairs' tiles ``ds[h, c, i - c]``, one product
+  each (dS^T read transposed). -> with ``sums``, each tile's column sums of
+  dQ, ``[N / 64, H, D]`` float32, else ()."""
+  g = _Geometry.of(k, at, seg, tiling, _q_span)
+  ops = _Ops(interpret)
+  rope = tables is not None
+  nt = len(tables) if rope else 0
+
+  def body(*refs):
+    k_ref, ds_ref, *refs = refs
+    table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
+    dqkv_ref, *refs = refs
+    sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
+    k_smem, ds_smem, out_smem, *refs = refs
+    rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
+    sums_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if sums else (None, refs)
+    i, h = lax.axis_index("tile"), lax.axis_index("head")
+    lo, n = _q_span(i, seg)
+    rows = pl.ds(i * BLOCK, BLOCK)
+    if rope:
+      _fetch_tables(table_refs, i, rope_smem[:nt], held_bar.at[0])
+
+    def fetch(j, slot):
+      c = lo + j
+      plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(c * BLOCK, BLOCK), g.at[1] + h], k_smem.at[slot],
+                              kv_bar.at[slot])
+      plgpu.copy_gmem_to_smem(ds_ref.at[h, c, i - c], ds_smem.at[slot], kv_bar.at[slot])
+
+    def step(j, slot, acc):
+      plgpu.barrier_wait(kv_bar.at[slot])
+      acc, = _products([_Mm(ds_smem.at[slot], k_smem.at[slot], acc=acc, a_t=True)], ops)
+      return acc
+
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
+    if rope:
+      plgpu.barrier_wait(held_bar.at[0])
+    copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, out_smem, rope_smem, ops)
+    _copy_out(copies, functools.partial(_column_sums, [(copies, sums_ref.at[i, h])],
+                                        sums_smem, ops) if sums else None)
+
+  scratch = [g.tile(slotted=True), g.scores(slotted=True), g.tile()]
+  scratch += g.rope_scratch(tables) if rope else []
+  scratch += [g.sums(1)] if sums else []
+  scratch += [plgpu.Barrier(num_arrivals=max(nt, 1), num_barriers=1),
+              plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
+  return g.call("dq_from_ds", body, inputs=(k, ds) + (tuple(tables) if rope else ()) + (grads,),
+                out_type=(g.sums_out(1),) if sums else (), scratch=scratch,
+                interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
+def _dq_from_ds_into(grads, k, ds, tables, at, seg, tiling, interpret, sums):
+  """_dq_from_ds writing into _dkv's gradient array in place (as _dkv_into)."""
+  ref = jax.new_ref(grads, memory_space=plgpu.GMEM)
+  out = _dq_from_ds(k, ds, ref, tables, at, seg, tiling, interpret, sums)
+  return ref[...], out
+
+
+def _delta(o, do, v_bias, heads: int):
+  """rowsum(dO * O) per head, ``[H, N]`` float32 (O without v's bias: see _dq)."""
+  o = o.astype(jnp.float32)
+  if v_bias is not None:
+    o = o - v_bias
+  return jnp.sum(o * do.astype(jnp.float32), axis=-1).T.reshape(heads, -1)
 
 
 @functools.partial(jax.jit, static_argnums=(8, 9, 10, 11, 12))
@@ -756,10 +868,16 @@ def _backward(q, k, v, v_bias, o, lse, do, tables, at, tiling, interpret, sums=F
   None: the kernels' per-tile sums (_column_sums), summed over tiles here.)"""
   b, t, h, d = do.shape
   dof = _flat(do).astype(v.dtype)
-  grads, delta, *dq_sums = _dq(q, k, v, v_bias, o, dof, lse, tables, at, t, tiling, interpret,
-                               sums)
-  grads, dkv_sums = _dkv_into(grads, q, k, v, dof, lse, delta, tables, at, t, tiling,
-                              interpret, sums)
+  if tiling.dq_from_ds and d == BLOCK:
+    delta = _delta(o, dof, v_bias, h)
+    grads, *dkv_sums, ds = _dkv(q, k, v, dof, lse, delta, None, tables, at, t, tiling,
+                                interpret, sums)
+    grads, dq_sums = _dq_from_ds_into(grads, k, ds, tables, at, t, tiling, interpret, sums)
+  else:
+    grads, delta, *dq_sums = _dq(q, k, v, v_bias, o, dof, lse, tables, at, t, tiling,
+                                 interpret, sums)
+    grads, dkv_sums = _dkv_into(grads, q, k, v, dof, lse, delta, tables, at, t, tiling,
+                                interpret, sums)
   col_sums = None
   if sums:
     col_sums = jnp.concatenate([dq_sums[0], dkv_sums[0]], axis=1).sum(0).reshape(3, h, d)
