@@ -31,11 +31,11 @@ gradient tiles they store (``_column_sums``; see causal_attention_qkv).
 Splitting dQ from dK/dV recomputes two products per tile pair but needs no
 atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade, not the
 default until measured: dK/dV first, storing every pair's dS^T tile, then
-``_dq_from_ds`` with one product per pair.) Probabilities and score gradients stay in registers as the next
-product's A operand, and independent products are issued together (one
-wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
-at head dim 64, so several share a multiprocessor and hide each other's
-latencies.
+``_dq_from_ds`` with one product per pair.) Probabilities and score
+gradients stay in registers as the next product's A operand, and independent
+products are issued together (one wait). With 2 slots (the default) a CTA
+needs under 60 KB of shared memory at head dim 64, so several share a
+multiprocessor and hide each other's latencies.
 
 Three entry points wrap them with a custom gradient:
 
