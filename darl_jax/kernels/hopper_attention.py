@@ -884,6 +884,15 @@ def _backward(q, k, v, v_bias, o, lse, do, tables, at, tiling, interpret, sums=F
   return grads.reshape(b, t, 3, h, d), col_sums
 
 
+def _tile_rows(table, seg: int, tile: int):
+  """A ``[T, w]`` per-position table as ``[P, tile, w]`` float32: entry e
+  holds the positions of flat rows ``tile e .. tile e + tile - 1`` (row r is
+  position r % T); P = T / gcd(tile, T) entries make one period."""
+  period = seg // math.gcd(tile, seg)
+  pos = jnp.arange(period * tile) % seg
+  return jnp.asarray(table, jnp.float32)[pos].reshape(period, tile, -1)
+
+
 def extended_tables(cos, sin, seg: int, dtype="float32"):
   """RoPE's ``[T, D/2]`` tables laid out for the backward kernels: entry j of
   ``[P, 64, ...]`` holds the positions of flat rows ``64 j .. 64 j + 63``
@@ -896,9 +905,7 @@ def extended_tables(cos, sin, seg: int, dtype="float32"):
   ``dtype`` float32: (cos, sin), each ``[P, 64, D/2]``; bfloat16: one
   ``[P, 64, D]`` array, cos in the first half of each row, sin in the second.
   """
-  period = seg // math.gcd(BLOCK, seg)
-  pos = jnp.arange(period * BLOCK) % seg
-  cos, sin = (jnp.asarray(t, jnp.float32)[pos].reshape(period, BLOCK, -1) for t in (cos, sin))
+  cos, sin = (_tile_rows(t, seg, BLOCK) for t in (cos, sin))
   if jnp.dtype(dtype) == jnp.float32:
     return cos, sin
   if jnp.dtype(dtype) != jnp.bfloat16:
@@ -1115,11 +1122,9 @@ def projection_tables(cos, sin, seg: int, tile_m: int):
   (row r is position r % T; P = T / gcd(tile_m, T) entries make one period),
   and the last entry is the identity rotation (cos 1, sin 0), which v's
   columns take."""
-  period = seg // math.gcd(tile_m, seg)
-  pos = jnp.arange(period * tile_m) % seg
   out = []
   for table, fill in ((cos, 1.0), (sin, 0.0)):
-    rows = jnp.asarray(table, jnp.float32)[pos].reshape(period, tile_m, -1)
+    rows = _tile_rows(table, seg, tile_m)
     out.append(jnp.concatenate([rows, jnp.full((1,) + rows.shape[1:], fill, jnp.float32)]))
   return tuple(out)
 
