@@ -86,7 +86,10 @@ class Step:
     tx, schedule = optim.make_optimizer(config.optim, variables["params"], total_steps=10_000,
                                         steps_per_epoch=1000, batch_size=config.batch_size)
     self.init_state = loop.init_state_fn(trainer, self.model, tx, init_batch)
-    self.train_step = loop.make_train_step(trainer, self.model, tx, schedule, self.rng)
+    # per mesh: the step traces on its mesh, which the Pallas kernels split
+    # the batch by (kernels/per_shard.py)
+    self.make_train_step = lambda mesh: loop.make_train_step(
+        trainer, self.model, tx, schedule, self.rng, mesh)
 
 
 def measure(step: Step, devices, mode: str, per_device_batch: int, warmup: int,
@@ -110,7 +113,7 @@ def measure(step: Step, devices, mode: str, per_device_batch: int, warmup: int,
     label = jax.device_put(np.zeros((global_batch,), np.int32), batch_sharding)
     batches.append({"image": image, "label": label})
 
-  fn = jax.jit(step.train_step, in_shardings=(shardings, batch_sharding),
+  fn = jax.jit(step.make_train_step(mesh), in_shardings=(shardings, batch_sharding),
                out_shardings=(shardings, None), donate_argnums=(0,))
   t0 = time.perf_counter()
   compiled = fn.lower(state, batches[0]).compile()

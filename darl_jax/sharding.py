@@ -216,23 +216,25 @@ KERNEL_OPTIONS = {"attention_impl": ("hopper",), "mlp_impl": ("hopper",),
 
 
 def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
-  """A warning for Pallas kernel options on a mesh of several devices, else None.
+  """A warning for Pallas kernel options on a mesh with a ``tensor`` axis of
+  several devices, else None.
 
-  The kernels are custom calls with no partitioning rule (jax registers none
-  for Pallas Mosaic GPU or Triton calls), and XLA's partitioner runs such a
-  call on replicated operands: each device would gather the whole batch's
-  activations and run the kernel on all of it. They are measured and meant
-  for one device per mesh (benchmarks/RESULTS.md)."""
-  if model_cfg is None or mesh.size <= 1:
+  On the batch axes (data, fsdp) each device runs the kernels on its own
+  rows (kernels/per_shard.py). The kernels compute whole heads and whole MLP
+  widths, so over a tensor axis their parameters are gathered and every
+  tensor device repeats its group's work: correct, but the tensor split
+  buys nothing in those layers."""
+  if model_cfg is None or dict(_axis_sizes(mesh)).get("tensor", 1) <= 1:
     return None
   on = [f"model.{k}={model_cfg.get(k)}" for k, values in KERNEL_OPTIONS.items()
         if model_cfg.get(k) in values]
   if not on:
     return None
-  return (f"{', '.join(on)} on a mesh of {mesh.size} devices: these Pallas kernels have no "
-          "partitioning rule, so XLA runs each on the whole gathered batch on every device "
-          "(correct, but slower than without them). On several devices use "
-          "model.attention_impl=cudnn, model.mlp_impl=xla and model.norm_impl=xla.")
+  return (f"{', '.join(on)} with mesh.tensor={_axis_sizes(mesh)['tensor']}: these Pallas "
+          "kernels split over the batch axes (data, fsdp) only, so the tensor devices gather "
+          "the layer's parameters and repeat the same work (correct, but slower than without "
+          "them). With tensor parallelism use model.attention_impl=cudnn, model.mlp_impl=xla "
+          "and model.norm_impl=xla, or put the devices on data / fsdp.")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -130,20 +130,20 @@ def test_make_mesh_on_the_local_device():
     sharding_lib.make_mesh({"data": 2})
 
 
-def test_kernel_options_on_several_devices_get_a_warning_that_names_the_fix():
-  import types
+def test_kernel_options_with_a_tensor_axis_get_a_warning_that_names_the_fix():
   import ml_collections
   model = ml_collections.ConfigDict({"attention_impl": "hopper", "mlp_impl": "xla",
                                      "norm_impl": "triton"})
-  two, one = types.SimpleNamespace(size=2), types.SimpleNamespace(size=1)
-  text = sharding_lib.kernel_mesh_warning(model, two)
-  assert "model.attention_impl=hopper, model.norm_impl=triton on a mesh of 2" in text
+  tensor = {"data": 2, "fsdp": 1, "tensor": 2}
+  text = sharding_lib.kernel_mesh_warning(model, tensor)
+  assert "model.attention_impl=hopper, model.norm_impl=triton with mesh.tensor=2" in text
   assert "mlp_impl=hopper" not in text and "model.attention_impl=cudnn" in text
-  assert sharding_lib.kernel_mesh_warning(model, one) is None
+  # the batch axes are split per device (kernels/per_shard.py): no warning
+  assert sharding_lib.kernel_mesh_warning(model, {"data": 4, "fsdp": 2, "tensor": 1}) is None
   plain = ml_collections.ConfigDict({"attention_impl": "cudnn", "mlp_impl": "xla",
                                      "norm_impl": "xla"})
-  assert sharding_lib.kernel_mesh_warning(plain, two) is None
-  assert sharding_lib.kernel_mesh_warning(None, two) is None
+  assert sharding_lib.kernel_mesh_warning(plain, tensor) is None
+  assert sharding_lib.kernel_mesh_warning(None, tensor) is None
 
 
 # ------------------------------------------------------------ memory estimate

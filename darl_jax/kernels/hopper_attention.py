@@ -29,9 +29,11 @@ With a qkv bias, ``_dq`` and ``_dkv`` also write the column sums of the
 gradient tiles they store (``_column_sums``; see causal_attention_qkv).
 
 Splitting dQ from dK/dV recomputes two products per tile pair but needs no
-atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade, not the
-default until measured: dK/dV first, storing every pair's dS^T tile, then
-``_dq_from_ds`` with one product per pair.) Probabilities and score
+atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade: dK/dV
+first, storing every pair's dS^T tile, then ``_dq_from_ds`` with one product
+per pair. Measured at ViT-L/16, it is within 0.04 ms a layer of this one,
+either way by input, so it stays off; benchmarks/RESULTS.md, sixteenth
+session.) Probabilities and score
 gradients stay in registers as the next product's A operand, and independent
 products are issued together (one wait). With 2 slots (the default) a CTA
 needs under 60 KB of shared memory at head dim 64, so several share a
@@ -117,7 +119,10 @@ class AttentionTiling:
   the softmax (three). It moves dS through memory (0.4 GB per ViT-L/16
   layer at batch 256, written and read once) to save the products. Head dim
   64 only (B/16, L/16): at 80 Mosaic GPU (jax 0.10) finds no layout for the
-  transposed dS operand, and the default schedule runs."""
+  transposed dS operand, and the default schedule runs. Off: at ViT-L/16,
+  batch 256, the attention layer's forward + backward took 2.189 ms with it
+  against 2.232 without (from the block's input), 0.835 against 0.817 on
+  plain q, k, v (H200): no gain the training step could show."""
   slots: int = 2
   rope_tables: str = "bfloat16"
   dq_from_ds: bool = False

@@ -49,9 +49,12 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
   check_attention_impl(impl)
   if impl == "hopper":
     if causal and mask is None and _hopper_attention_fits(q, k, v):
-      from darl_jax.kernels import hopper_attention   # Pallas Mosaic GPU only when used
-      return hopper_attention.causal_attention(
-          q, k, v, hopper_attention.DEFAULT_ATTENTION_TILING, jax.default_backend() != "gpu")
+      from darl_jax.kernels import hopper_attention, per_shard   # Pallas Mosaic GPU when used
+      interpret = jax.default_backend() != "gpu"
+      return per_shard.over_batch(
+          lambda q, k, v: hopper_attention.causal_attention(
+              q, k, v, hopper_attention.DEFAULT_ATTENTION_TILING, interpret),
+          q, k, v, batched=(True, True, True))
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla" and k.shape[1] <= SHORT_KEYS:
     return short_attention(q, k, v, causal=causal, mask=mask)
@@ -71,10 +74,12 @@ def _hopper_attention_fits(q, k, v) -> bool:
   """Whether ``attention_impl='hopper'`` runs its kernels on q, k, v: errors
   that name the fix for a wrong device; False for inputs the kernels do not
   take (float32, a head_dim that is not a multiple of 16, a batch x tokens
-  that is not a multiple of 64), which go to cuDNN."""
-  from darl_jax.kernels import hopper_attention
+  that is not a multiple of 64), which go to cuDNN. The shapes checked are
+  one device's (kernels/per_shard.py)."""
+  from darl_jax.kernels import hopper_attention, per_shard
   _require_hopper()
-  return hopper_attention.fits(q, k, v)
+  q, k, v = (per_shard.local(x) for x in (q, k, v))
+  return q is not None and hopper_attention.fits(q, k, v)
 
 
 def short_attention(q, k, v, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:
@@ -222,13 +227,16 @@ def _hopper_qkv_attention(product, bias, rope):
   tables = _shared_tables(rope)
   if rope is not None and tables is None:
     return None
-  from darl_jax.kernels import hopper_attention
+  from darl_jax.kernels import hopper_attention, per_shard
   _require_hopper()
-  if not hopper_attention.fits_qkv(product, bias, tables):
+  local = per_shard.local(product)
+  if local is None or not hopper_attention.fits_qkv(local, bias, tables):
     return None
-  return hopper_attention.causal_attention_qkv(
-      product, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING,
-      jax.default_backend() != "gpu")
+  interpret = jax.default_backend() != "gpu"
+  return per_shard.over_batch(
+      lambda product, bias, tables: hopper_attention.causal_attention_qkv(
+          product, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING, interpret),
+      product, bias, tables, batched=(True, False, False))
 
 
 def _projected_attention(projection: "QkvProjection", x, rope):
@@ -241,14 +249,17 @@ def _projected_attention(projection: "QkvProjection", x, rope):
   tables = _shared_tables(rope)
   if tables is None:
     return None
-  from darl_jax.kernels import hopper_attention
+  from darl_jax.kernels import hopper_attention, per_shard
   _require_hopper()
   x, kernel, bias = projection(x, weights_only=True)
-  if not hopper_attention.fits_projected(x, kernel, bias, tables):
+  local = per_shard.local(x)
+  if local is None or not hopper_attention.fits_projected(local, kernel, bias, tables):
     return None
-  return hopper_attention.causal_attention_projected(
-      x, kernel, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING,
-      jax.default_backend() != "gpu")
+  interpret = jax.default_backend() != "gpu"
+  return per_shard.over_batch(
+      lambda x, kernel, bias, tables: hopper_attention.causal_attention_projected(
+          x, kernel, bias, tables, hopper_attention.DEFAULT_ATTENTION_TILING, interpret),
+      x, kernel, bias, tables, batched=(True, False, False, False))
 
 
 class MultiHeadAttention(nn.Module):

@@ -135,12 +135,16 @@ def _hopper_kernels_fit(x, hidden: int, dtype) -> bool:
   the fix for a wrong dtype or device; False for shapes the kernels do not
   tile (parameter init on one example, a last partial batch), which take the
   XLA MLP, the same function."""
-  from darl_jax.kernels import hopper_mlp, mosaic   # imports Pallas Mosaic GPU only when used
+  # imports Pallas Mosaic GPU only when used
+  from darl_jax.kernels import hopper_mlp, mosaic, per_shard
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError("model.mlp_impl='hopper' runs in bfloat16; set model.dtype='bfloat16' "
                      "or model.mlp_impl='xla'")
   mosaic.require_hopper("model.mlp_impl='hopper'", tpu_fix="model.mlp_impl='xla'",
                         gpu_fix="model.mlp_impl='xla'")
+  x = per_shard.local(x)   # one device's rows
+  if x is None:
+    return False
   try:
     for tiling in (hopper_mlp.DEFAULT_KERNELS.fwd, hopper_mlp.DEFAULT_KERNELS.bwd):
       tiling.check(math.prod(x.shape[:-1]), hidden, x.shape[-1])
@@ -164,12 +168,16 @@ class Mlp(nn.Module):
     width = x.shape[-1]
     if (check_mlp_impl(self.impl) == "hopper"
         and _hopper_kernels_fit(x, self.hidden, self.dtype)):
-      from darl_jax.kernels import hopper_mlp
+      from darl_jax.kernels import hopper_mlp, per_shard
       w1, b1 = DenseParams(self.hidden, name="fc1")(width)
       w2, b2 = DenseParams(width, name="fc2")(self.hidden)
       # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
-      y = hopper_mlp.mlp(x.astype(self.dtype), w1, b1, w2, None if self.defer_bias else b2,
-                         hopper_mlp.DEFAULT_KERNELS, jax.default_backend() != "gpu")
+      interpret = jax.default_backend() != "gpu"
+      defer = self.defer_bias
+      y = per_shard.over_batch(
+          lambda x, w1, b1, w2, b2: hopper_mlp.mlp(
+              x, w1, b1, w2, None if defer else b2, hopper_mlp.DEFAULT_KERNELS, interpret),
+          x.astype(self.dtype), w1, b1, w2, b2, batched=(True, False, False, False, False))
       # deferred, the float32 parameter: the norm rounds it to y's dtype for
       # the add (as mlp would have) and its gradient stays a float32 sum
       return (y, b2) if self.defer_bias else y
@@ -219,7 +227,7 @@ class TritonLayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x, residual: bool = False, add=None):
-    from darl_jax.kernels import layer_norm   # imports Pallas Triton only when used
+    from darl_jax.kernels import layer_norm, per_shard   # imports Pallas Triton when used
     device = jax.devices()[0]
     if device.platform not in ("gpu", "cpu"):
       raise ValueError(f"model.norm_impl='triton' runs on NVIDIA GPUs, not {device.platform}; "
@@ -230,16 +238,22 @@ class TritonLayerNorm(nn.Module):
     # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
     interpret = jax.default_backend() != "gpu"
     blocks = layer_norm.blocks_for(width)
+    # On a mesh each device normalises its own rows (kernels/per_shard.py).
     if isinstance(add, tuple):
       product, add_bias = add
-      s, y = layer_norm.add_bias_layer_norm(x, product, add_bias, scale, bias, LN_EPS, blocks,
-                                            interpret)
+      s, y = per_shard.over_batch(
+          lambda x, p, ab, sc, b: layer_norm.add_bias_layer_norm(
+              x, p, ab, sc, b, LN_EPS, blocks, interpret),
+          x, product, add_bias, scale, bias, batched=(True, True, False, False, False))
       return s, y.astype(self.dtype)
     if add is not None:
-      s, y = layer_norm.add_layer_norm(x, add, scale, bias, LN_EPS, blocks, interpret)
+      s, y = per_shard.over_batch(
+          lambda x, a, sc, b: layer_norm.add_layer_norm(x, a, sc, b, LN_EPS, blocks, interpret),
+          x, add, scale, bias, batched=(True, True, False, False))
       return s, y.astype(self.dtype)
     fn = layer_norm.residual_layer_norm if residual else layer_norm.layer_norm
-    out = fn(x, scale, bias, LN_EPS, blocks, interpret)
+    out = per_shard.over_batch(lambda x, sc, b: fn(x, sc, b, LN_EPS, blocks, interpret),
+                               x, scale, bias, batched=(True, False, False))
     if residual:
       return out[0], out[1].astype(self.dtype)
     return out.astype(self.dtype)

@@ -209,7 +209,7 @@ class FinetuneTrainer(loop.Trainer):
                                          or cfg.model.image_size)
       resized = model.clone(backbone=vit_lib.vit_from_config(at.model)[0])
       source = self.make_source(at, at.data.eval_split, train=False)
-      step = loop.make_eval_step(self, resized, jax.random.PRNGKey(cfg.seed))
+      step = loop.make_eval_step(self, resized, jax.random.PRNGKey(cfg.seed), ctx.mesh)
       self._at_size[size] = (source, jax.jit(step))
     source, step = self._at_size[size]
     scores = loop.evaluate(self, None, state, source, step,

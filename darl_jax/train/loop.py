@@ -20,6 +20,7 @@ an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import queue
@@ -190,13 +191,30 @@ def host_readable(state: dict, mesh) -> dict:
           "model_state": gather(state["model_state"])}
 
 
-def make_train_step(trainer: Trainer, model, tx, schedule, base_rng) -> Callable:
+def on_mesh(fn: Callable, mesh) -> Callable:
+  """``fn`` traced with ``mesh`` as the context's (abstract) mesh, so that the
+  Pallas kernels inside it run per device on the batch's shards
+  (kernels/per_shard.py); ``fn`` itself for ``mesh=None``."""
+  if mesh is None:
+    return fn
+
+  @functools.wraps(fn)
+  def traced_on_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+  return traced_on_mesh
+
+
+def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None) -> Callable:
   """The (unjitted) update ``(state, batch) -> (state, metrics)``.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
   and records its index in ``bad_step``. Shared by the loop and the benchmarks.
+  ``mesh``: the mesh the step is jitted for (its batch split is the kernels',
+  see on_mesh); None for one device.
   """
 
+  @functools.partial(on_mesh, mesh=mesh)
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
 
@@ -230,11 +248,13 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng) -> Callable
   return train_step
 
 
-def make_eval_step(trainer: Trainer, model, base_rng) -> Callable:
+def make_eval_step(trainer: Trainer, model, base_rng, mesh=None) -> Callable:
   """The (unjitted) ``(params, model_state, batch) -> {metric: sum over the
   batch's real rows}`` that ``evaluate`` averages. Its noise is fixed, so
-  evaluations are comparable between steps and runs."""
+  evaluations are comparable between steps and runs. ``mesh``: as for
+  make_train_step."""
 
+  @functools.partial(on_mesh, mesh=mesh)
   def eval_step(params, model_state, batch):
     rng = jax.random.fold_in(base_rng, 2**31 - 2)
     out = trainer.eval_fn(model, params, model_state, batch, rng)
@@ -334,11 +354,11 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     start_step = 0
 
   # --------------------------------------------------------------- the step
-  train_step = make_train_step(trainer, model, tx, schedule, base_rng)
+  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh)
   train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, None), donate_argnums=(0,))
 
-  eval_step = jax.jit(make_eval_step(trainer, model, base_rng))
+  eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
 
   def check_finite(state, where: str):
     bad = int(jax.device_get(state["bad_step"]))

@@ -1,0 +1,86 @@
+"""The Pallas kernels on a mesh of several devices: each device runs them on
+its own rows of the batch.
+
+A Pallas call is a custom call with no partitioning rule (jax registers none
+for Mosaic GPU or Triton calls), so under plain ``jit`` XLA's partitioner
+would run it on replicated operands: every device gathering the whole
+batch's activations and computing the layer for all of it. ``over_batch``
+instead runs the kernel's function under ``jax.shard_map`` over the mesh's
+batch axes (``data``, ``fsdp``; sharding.batch_sharding's split), so that a
+device's kernels see only its own images:
+
+- the batched operands (activations, and their gradients) keep the batch
+  split they already have: no collective moves them;
+- the parameters enter replicated (``P()``): under FSDP they are gathered
+  for the layer, as XLA gathers them for any layer, and their gradients are
+  summed over the batch axes by shard_map's transpose, the all-reduce that
+  data parallelism needs anyway.
+
+The mesh comes from the trace's context: ``jax.sharding.use_abstract_mesh``,
+which the training loop and the evaluation step set (loop.make_train_step's
+``mesh``). Without one, or with one device per batch shard, the function runs
+as it is. A ``tensor`` axis of more than one device is not split: the
+kernels compute whole heads and whole MLP widths, so their parameters are
+gathered over it too and the tensor devices repeat the same work
+(sharding.kernel_mesh_warning says so).
+
+The kernels' shape checks (``fits``) must see the per-device shapes: use
+``local`` on the batched operands before checking.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def _batch_axes() -> tuple[str, ...]:
+  """The current mesh's batch axes (none without a mesh). Axes of one device
+  stay in: the spec must be the batch's own, ``P(("data", "fsdp"))``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def batch_shards() -> int:
+  """How many pieces the batch is split into on the current mesh (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in _batch_axes())
+
+
+def local(x):
+  """``x``'s per-device shape on the current mesh (leading, batch, axis
+  divided by the batch shards) as a ``jax.ShapeDtypeStruct``; ``x`` itself
+  without a mesh. None when the batch does not divide: then no kernel fits
+  and the caller takes XLA's path."""
+  shards = batch_shards()
+  if shards == 1:
+    return x
+  if x.shape[0] % shards:
+    return None
+  return jax.ShapeDtypeStruct((x.shape[0] // shards,) + tuple(x.shape[1:]), x.dtype)
+
+
+def over_batch(fn: Callable, *args, batched: Sequence[bool]):
+  """``fn(*args)``, each device on its own rows of the batch.
+
+  ``batched[i]``: whether ``args[i]`` (an array, or a pytree of arrays) has
+  the batch as its leading axis; the others (parameters, tables) are
+  replicated. Every output has the batch as its leading axis. Static
+  settings go into ``fn`` (a closure), not ``args``."""
+  if len(batched) != len(args):
+    raise ValueError(f"batched has {len(batched)} entries for {len(args)} arguments")
+  if batch_shards() == 1:
+    return fn(*args)
+  spec = P(_batch_axes())
+  return jax.shard_map(fn, in_specs=tuple(spec if b else P() for b in batched),
+                       out_specs=spec, check_vma=False)(*args)
+
+
+__all__: Sequence[str] = ("BATCH_AXES", "batch_shards", "local", "over_batch")
