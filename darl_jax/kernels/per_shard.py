@@ -18,8 +18,8 @@ device's kernels see only its own images:
 
 The mesh comes from the trace's context: ``jax.sharding.use_abstract_mesh``,
 which the training loop and the evaluation step set (loop.make_train_step's
-``mesh``). Without one, or with one device per batch shard, the function runs
-as it is. A ``tensor`` axis of more than one device is not split: the
+``mesh``). Without one, or with a single device on the batch axes, the
+function runs as it is. A ``tensor`` axis of more than one device is not split: the
 kernels compute whole heads and whole MLP widths, so their parameters are
 gathered over it too and the tensor devices repeat the same work
 (sharding.kernel_mesh_warning says so).
@@ -79,6 +79,9 @@ def over_batch(fn: Callable, *args, batched: Sequence[bool]):
   if batch_shards() == 1:
     return fn(*args)
   spec = P(_batch_axes())
+  # check_vma=False: the Pallas calls carry no varying-axes types to check.
+  # The replicated inputs' gradients are still summed over the batch axes
+  # (tests/test_kernel_sharding.py compares them with one device's).
   return jax.shard_map(fn, in_specs=tuple(spec if b else P() for b in batched),
                        out_specs=spec, check_vma=False)(*args)
 
