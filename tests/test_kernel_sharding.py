@@ -84,6 +84,26 @@ def _subprocess_main(run_options: dict):
                                      for p, k in zip(leaves, keys)])
   for sizes in ({"data": 2, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 1}):
     _check_mesh(sharding_lib.make_mesh(sizes), params, args, run_options)
+  _check_arguments(sharding_lib.make_mesh({"data": 2, "fsdp": 1, "tensor": 1}))
+
+
+def _check_arguments(mesh):
+  """over_batch's arguments as the model passes them: None (no qkv bias), a
+  tuple (RoPE's table pair); outputs a tuple (a norm's sum and LN)."""
+  from jax.sharding import NamedSharding
+  from darl_jax.train import loop
+
+  def fn(x, bias, tables):
+    assert bias is None and x.shape == (2, 3), (bias, x.shape)   # one device's rows
+    cos, sin = tables
+    return x * cos[0], x + sin[0]
+
+  x = jax.device_put(jnp.arange(12.0).reshape(4, 3), NamedSharding(mesh, P(("data", "fsdp"))))
+  step = loop.on_mesh(lambda x, t: per_shard.over_batch(fn, x, None, t,
+                                                        batched=(True, False, False)), mesh)
+  out = jax.jit(step)(x, (jnp.full((1,), 2.0), jnp.full((1,), 1.0)))
+  np.testing.assert_array_equal(out[0], 2 * np.arange(12.0).reshape(4, 3))
+  np.testing.assert_array_equal(out[1], np.arange(12.0).reshape(4, 3) + 1)
 
 
 def _check_mesh(mesh, params, args, run_options):
