@@ -54,6 +54,9 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The axes the batch is split over (batch_sharding; the Pallas kernels'
+# per-device split, kernels/per_shard.py).
+BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,13 +227,14 @@ def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
   widths, so over a tensor axis their parameters are gathered and every
   tensor device repeats its group's work: correct, but the tensor split
   buys nothing in those layers."""
-  if model_cfg is None or dict(_axis_sizes(mesh)).get("tensor", 1) <= 1:
+  tensor = _axis_sizes(mesh).get("tensor", 1)
+  if model_cfg is None or tensor <= 1:
     return None
   on = [f"model.{k}={model_cfg.get(k)}" for k, values in KERNEL_OPTIONS.items()
         if model_cfg.get(k) in values]
   if not on:
     return None
-  return (f"{', '.join(on)} with mesh.tensor={_axis_sizes(mesh)['tensor']}: these Pallas "
+  return (f"{', '.join(on)} with mesh.tensor={tensor}: these Pallas "
           "kernels split over the batch axes (data, fsdp) only, so the tensor devices gather "
           "the layer's parameters and repeat the same work (correct, but slower than without "
           "them). With tensor parallelism use model.attention_impl=cudnn, model.mlp_impl=xla "
@@ -239,7 +243,7 @@ def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp, the rest replicated."""
-  return NamedSharding(mesh, P(("data", "fsdp")))
+  return NamedSharding(mesh, P(BATCH_AXES))
 
 
 # ------------------------------------------------------------- partition rules

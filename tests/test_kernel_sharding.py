@@ -1,10 +1,13 @@
 """The Pallas kernels on a mesh of several devices (kernels/per_shard.py).
 
-Property: a tiny ViT with all three kernel options (attention, MLP, norms;
-Pallas's interpreter on CPU) gives the same loss and parameter gradients on a
-2-device batch split, traced as the training loop traces its step
-(loop.on_mesh), as on one device; and there every kernel runs under
-``shard_map`` on one device's rows. In a subprocess with 2 fake CPU devices.
+Property: a tiny ViT with kernel options gives the same loss and parameter
+gradients on a 2-device batch split (a data and an FSDP mesh), traced as the
+training loop traces its step (loop.on_mesh), as one device running each
+half of the batch; and there every kernel of all three options runs under
+``shard_map`` on one device's rows. In a subprocess with 2 fake CPU devices,
+where the norm kernels run (Pallas's interpreter; Mosaic GPU's does not run
+two devices at once); ``python tests/test_kernel_sharding.py all`` on a
+2-GPU machine runs all three.
 """
 
 import os

@@ -33,11 +33,11 @@ atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade: dK/dV
 first, storing every pair's dS^T tile, then ``_dq_from_ds`` with one product
 per pair. Measured at ViT-L/16, it is within 0.04 ms a layer of this one,
 either way by input, so it stays off; benchmarks/RESULTS.md, sixteenth
-session.) Probabilities and score
-gradients stay in registers as the next product's A operand, and independent
-products are issued together (one wait). With 2 slots (the default) a CTA
-needs under 60 KB of shared memory at head dim 64, so several share a
-multiprocessor and hide each other's latencies.
+session.) Probabilities and score gradients stay in registers as the next
+product's A operand, and independent products are issued together (one
+wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
+at head dim 64, so several share a multiprocessor and hide each other's
+latencies.
 
 Three entry points wrap them with a custom gradient:
 

@@ -36,12 +36,12 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp")
+from darl_jax.sharding import BATCH_AXES
 
 
 def _batch_axes() -> tuple[str, ...]:
   """The current mesh's batch axes (none without a mesh). Axes of one device
-  stay in: the spec must be the batch's own, ``P(("data", "fsdp"))``."""
+  stay in: the spec must be the batch's own (sharding.batch_sharding's)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
@@ -86,4 +86,4 @@ def over_batch(fn: Callable, *args, batched: Sequence[bool]):
                        out_specs=spec, check_vma=False)(*args)
 
 
-__all__: Sequence[str] = ("BATCH_AXES", "batch_shards", "local", "over_batch")
+__all__: Sequence[str] = ("batch_shards", "local", "over_batch")

@@ -173,11 +173,11 @@ class Mlp(nn.Module):
       w2, b2 = DenseParams(width, name="fc2")(self.hidden)
       # Off the GPU the kernels run in Pallas's interpreter: correct, slow (tests).
       interpret = jax.default_backend() != "gpu"
-      defer = self.defer_bias
       y = per_shard.over_batch(
           lambda x, w1, b1, w2, b2: hopper_mlp.mlp(
-              x, w1, b1, w2, None if defer else b2, hopper_mlp.DEFAULT_KERNELS, interpret),
-          x.astype(self.dtype), w1, b1, w2, b2, batched=(True, False, False, False, False))
+              x, w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS, interpret),
+          x.astype(self.dtype), w1, b1, w2, None if self.defer_bias else b2,
+          batched=(True, False, False, False, False))
       # deferred, the float32 parameter: the norm rounds it to y's dtype for
       # the add (as mlp would have) and its gradient stays a float32 sum
       return (y, b2) if self.defer_bias else y
