@@ -54,7 +54,12 @@ A/B of an option the model has. One written ``ln_blocks:<blocks>`` runs the
 LayerNorm kernels (``model.norm_impl=triton``) at those ``layer_norm.Blocks``
 at every width (``layer_norm.WIDTH_BLOCKS`` set aside), in
 layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the backward
-kernel at every width, binary chunks).
+kernel at every width, binary chunks). One written
+``attention_tiling:<fields>`` runs the attention kernels
+(``model.attention_impl=hopper``) at that ``AttentionTiling``
+(``attention_tiling:heads_per_cta=1`` is one head a CTA;
+``attention_tiling:heads_per_cta=4:1:4/slots=3`` sets the forward, dQ and
+dK/dV kernels apart, and the slots).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -391,6 +396,26 @@ VARIANTS = {
 
 
 LN_BLOCKS = "ln_blocks:"
+ATTENTION_TILING = "attention_tiling:"
+
+
+def parse_attention_tiling(text: str):
+  """``heads_per_cta=4/slots=3`` (fields of hopper_attention.AttentionTiling,
+  ``/``-separated; a triple as ``heads_per_cta=2:1:4``) -> the tiling."""
+  fields = {}
+  for item in text.split("/"):
+    key, _, value = item.partition("=")
+    if key not in ("slots", "heads_per_cta", "rope_tables", "dq_from_ds"):
+      raise ValueError(f"unknown AttentionTiling field {key!r} in {text!r}; valid: slots, "
+                       f"heads_per_cta, rope_tables, dq_from_ds")
+    if key == "rope_tables":
+      fields[key] = value
+    elif key == "dq_from_ds":
+      fields[key] = value.lower() in ("1", "true")
+    else:
+      parts = tuple(int(x) for x in value.split(":"))
+      fields[key] = parts[0] if len(parts) == 1 else parts
+  return hopper_attention.AttentionTiling(**fields)
 
 
 @contextlib.contextmanager
@@ -400,6 +425,11 @@ def variant(name: str):
     from layer_norm_bench import parse_blocks
     with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])), \
         mock.patch.object(layer_norm, "WIDTH_BLOCKS", {}):
+      yield
+    return
+  if name.startswith(ATTENTION_TILING):
+    tiling = parse_attention_tiling(name[len(ATTENTION_TILING):])
+    with mock.patch.object(hopper_attention, "DEFAULT_ATTENTION_TILING", tiling):
       yield
     return
   if name not in VARIANTS:
