@@ -2,15 +2,13 @@
 cuDNN and XLA, on one GPU.
 
     python benchmarks/attention_kernel_bench.py --shape=L/16:128 --slots=0,2,3
-    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --slots=2 --heads_per_cta=1,2,4
 
 For one layer's causal self-attention at a model's shape ([batch, tokens,
 heads, head_dim] bf16), it checks the kernels' output and gradients against
 float32 attention (relative error; cuDNN's error printed beside them), then
 times the forward alone and forward + backward for cuDNN
 (``jax.nn.dot_product_attention(implementation='cudnn')``), XLA, and the
-kernels at each ``slots`` and ``heads_per_cta`` setting (and with
-``--dq_from_ds`` the other backward schedule). Times are medians over repeats of
+kernels at each ``slots`` setting. Times are medians over repeats of
 back-to-back launches; TFLOP/s counts the causal half of the four
 attention products (MaxText's convention), backward = 2 x forward.
 
@@ -25,14 +23,13 @@ backward in their epilogues) with float32 and with bfloat16 RoPE tables.
 A third table starts one step earlier, at the block's input ``x [B, T, W]``:
 XLA's qkv product then ``causal_attention_qkv``, against
 ``causal_attention_projected`` (the product our own kernel, the bias and
-RoPE in its epilogue) at each kernel setting, to the output and the gradients of x, the kernel and
+RoPE in its epilogue), to the output and the gradients of x, the kernel and
 the bias; and the two forward projections alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -58,34 +55,6 @@ def parse_shape(text: str):
   return (int(batch or 128), t, h, d)
 
 
-def parse_groups(text: str):
-  """``"1,4,2/1/4"`` -> [1, 4, (2, 1, 4)]: heads_per_cta values."""
-  out = []
-  for item in text.split(","):
-    parts = [int(x) for x in item.split("/")]
-    if len(parts) not in (1, 3) or min(parts) < 1:
-      raise argparse.ArgumentTypeError(f"heads_per_cta {item!r}: N or F/Q/K, each at least 1")
-    out.append(parts[0] if len(parts) == 1 else tuple(parts))
-  return out
-
-
-def tiling_name(tiling) -> str:
-  groups = tiling.heads_per_cta
-  groups = "/".join(map(str, groups)) if isinstance(groups, tuple) else groups
-  return (f"slots={tiling.slots}, heads_per_cta={groups}"
-          + (", dQ from stored dS" if tiling.dq_from_ds else ""))
-
-
-def tilings(args):
-  """The AttentionTiling of every kernel row: each slots x heads_per_cta,
-  and with --dq_from_ds the other backward schedule at each slots."""
-  slots = [int(s) for s in args.slots.split(",") if s]
-  out = [ha.AttentionTiling(s, heads_per_cta=g) for s in slots for g in args.heads_per_cta]
-  if args.dq_from_ds:
-    out += [ha.AttentionTiling(s, dq_from_ds=True) for s in slots]
-  return out
-
-
 def fwd_bwd(f):
   """``g(*inputs, do)``, jitted: f's output and the gradients of its inputs
   for the output cotangent ``do``."""
@@ -103,11 +72,6 @@ def main():
                       help="MODEL:BATCH, MODEL one of " + ", ".join(SHAPES))
   parser.add_argument("--slots", default="0,2,3",
                       help="comma-separated AttentionTiling.slots values to time")
-  parser.add_argument("--heads_per_cta", type=parse_groups, default="1",
-                      help="comma-separated AttentionTiling.heads_per_cta values to time "
-                           "(each N, or F/Q/K for the forward, dQ and dK/dV kernels apart)")
-  parser.add_argument("--dq_from_ds", action="store_true",
-                      help="also time AttentionTiling(dq_from_ds=True) rows")
   parser.add_argument("--iters", type=int, default=10)
   args = parser.parse_args()
   b, t, h, d = args.shape
@@ -124,12 +88,15 @@ def main():
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return f
 
-  def kernel(tiling):
+  def kernel(slots, dq_from_ds=False):
+    tiling = ha.AttentionTiling(slots, dq_from_ds=dq_from_ds)
     return lambda q, k, v: ha.causal_attention(q, k, v, tiling)
 
   ref = fwd_bwd(plain("xla", jnp.float32))(q, k, v, do)
+  slots = [int(s) for s in args.slots.split(",") if s]
   candidates = {"cudnn": plain("cudnn"), "xla (bf16)": plain("xla")}
-  candidates.update({f"kernels, {tiling_name(t)}": kernel(t) for t in tilings(args)})
+  candidates.update({f"kernels, slots={s}": kernel(s) for s in slots})
+  candidates.update({f"kernels, slots={s}, dQ from stored dS": kernel(s, True) for s in slots})
   flops_fwd = 4 * b * h * t * t * d / 2
   print("| computation | max rel. error (out, dq, dk, dv) | fwd ms | fwd+bwd ms | "
         "fwd+bwd TFLOP/s |")
@@ -146,8 +113,8 @@ def main():
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} | "
           f"{3 * flops_fwd / (t_fb * 1e-3) / 1e12:.0f} |")
 
-  rope_table(q, k, v, do, args.iters, args.dq_from_ds)
-  projection_table(b, t, h, d, args.iters, tilings(args))
+  rope_table(q, k, v, do, args.iters)
+  projection_table(b, t, h, d, args.iters)
 
 
 def rotated(impl_fn, rope, dtype=None):
@@ -167,7 +134,7 @@ def causal_xla(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def rope_table(q, k, v, do, iters: int, dq_from_ds: bool = False):
+def rope_table(q, k, v, do, iters: int):
   """The second table: packed projection + RoPE -> output and its gradient."""
   b, t, h, d = q.shape
   qkv = jnp.stack([q, k, v], axis=2)
@@ -185,10 +152,9 @@ def rope_table(q, k, v, do, iters: int, dq_from_ds: bool = False):
       "bias + RoPE in XLA, kernels on q, k, v": with_bias(rotated(ha.causal_attention, rope)),
       **{f"causal_attention_qkv (bias, RoPE backward in the kernels), {dt} tables":
          (lambda x, dt=dt: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(2, dt)))
-         for dt in ("float32", "bfloat16")}}
-  if dq_from_ds:
-    candidates["causal_attention_qkv, bfloat16 tables, dQ from stored dS"] = (
-        lambda x: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(dq_from_ds=True)))
+         for dt in ("float32", "bfloat16")},
+      "causal_attention_qkv, bfloat16 tables, dQ from stored dS":
+      lambda x: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(dq_from_ds=True))}
   print()
   print("| from packed qkv, with RoPE | max rel. error (out, dqkv) | fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
@@ -204,7 +170,7 @@ def rope_table(q, k, v, do, iters: int, dq_from_ds: bool = False):
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
 
 
-def projection_table(b: int, t: int, h: int, d: int, iters: int, kernel_tilings=()):
+def projection_table(b: int, t: int, h: int, d: int, iters: int):
   """The third table: from the block's input x, the projection included."""
   width = h * d
   ks = jax.random.split(jax.random.key(3), 5)
@@ -234,10 +200,10 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int, kernel_tilings=
   print("| from the block's input x, with RoPE | max rel. error (out, dx, dkernel, dbias) "
         "| fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
-  rows = {"XLA qkv product, causal_attention_qkv": xla_then_kernels}
-  rows.update({f"causal_attention_projected, {tiling_name(tiling)}":
-               functools.partial(projected, tiling=tiling) for tiling in kernel_tilings})
-  for name, f in rows.items():
+  for name, f in {"XLA qkv product, causal_attention_qkv": xla_then_kernels,
+                  "causal_attention_projected": projected,
+                  "causal_attention_projected, dQ from stored dS":
+                  lambda *a: projected(*a, ha.AttentionTiling(dq_from_ds=True))}.items():
     got = fwd_bwd(f)(x, kernel, bias, do)
     errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
     t_f = timed(jax.jit(f), x, kernel, bias, iters=iters) * 1e3

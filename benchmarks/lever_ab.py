@@ -57,9 +57,7 @@ layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the backward
 kernel at every width, binary chunks). One written
 ``attention_tiling:<fields>`` runs the attention kernels
 (``model.attention_impl=hopper``) at that ``AttentionTiling``
-(``attention_tiling:heads_per_cta=1`` is one head a CTA;
-``attention_tiling:heads_per_cta=4:1:4/slots=3`` sets the forward, dQ and
-dK/dV kernels apart, and the slots).
+(``attention_tiling:slots=3/rope_tables=float32``).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -400,21 +398,20 @@ ATTENTION_TILING = "attention_tiling:"
 
 
 def parse_attention_tiling(text: str):
-  """``heads_per_cta=4/slots=3`` (fields of hopper_attention.AttentionTiling,
-  ``/``-separated; a triple as ``heads_per_cta=2:1:4``) -> the tiling."""
+  """``slots=3/rope_tables=float32`` (fields of
+  hopper_attention.AttentionTiling, ``/``-separated) -> the tiling."""
   fields = {}
   for item in text.split("/"):
     key, _, value = item.partition("=")
-    if key not in ("slots", "heads_per_cta", "rope_tables", "dq_from_ds"):
+    if key not in ("slots", "rope_tables", "dq_from_ds"):
       raise ValueError(f"unknown AttentionTiling field {key!r} in {text!r}; valid: slots, "
-                       f"heads_per_cta, rope_tables, dq_from_ds")
+                       f"rope_tables, dq_from_ds")
     if key == "rope_tables":
       fields[key] = value
     elif key == "dq_from_ds":
       fields[key] = value.lower() in ("1", "true")
     else:
-      parts = tuple(int(x) for x in value.split(":"))
-      fields[key] = parts[0] if len(parts) == 1 else parts
+      fields[key] = int(value)
   return hopper_attention.AttentionTiling(**fields)
 
 
@@ -455,11 +452,17 @@ def main():
   bad = [n for n in names if n not in VARIANTS and "=" not in n and not n.startswith(LN_BLOCKS)]
   if bad:                                  # fail before compiling anything
     parser.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+  for name in names:
+    if name.startswith(ATTENTION_TILING):
+      try:
+        parse_attention_tiling(name[len(ATTENTION_TILING):])
+      except (ValueError, TypeError) as e:
+        parser.error(str(e))
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.case}")
   print("| variant | img/s (p10-p90) | MFU | memory GB | loss |")
   print("|---|---|---|---|---|")
   for name in names:
-    if "=" in name:                         # a config override for this row
+    if "=" in name and not name.startswith(ATTENTION_TILING):   # a config override
       row = argparse.Namespace(**{**vars(args), "set": args.set + [name]})
       r = bench.run_case(model, objective, int(batch), row)
     else:

@@ -9,7 +9,8 @@ In one process, measures img/s of the training step the loop runs
 ``darl_jax/optim.py``, state sharded by ``darl_jax/sharding.py`` and donated,
 batches on the loop's batch sharding) on
 
-* 1 device (the baseline), then
+* 1 device (the baseline; or ``--baseline_img_s``, an earlier run's figure),
+  then
 * all local devices, once per ``--modes`` entry: ``dp`` (replicated state,
   batch over ``data``), ``fsdp`` (state and batch over ``fsdp``), ``tensor`` /
   ``fsdp_tensor`` (tensor parallelism over 2 devices, the rest as before).
@@ -154,6 +155,10 @@ def main(argv=None):
   parser.add_argument("--set", action="append", default=[],
                       help="config override key=value, e.g. model.remat=full")
   parser.add_argument("--json", default="", help="also write the rows to this file")
+  parser.add_argument("--baseline_img_s", type=float, default=0.0,
+                      help="skip the 1-device run and take this img/s (an earlier run's, "
+                           "same card and settings) as the baseline: for meshes whose "
+                           "compiles do not fit one sitting together with the baseline's")
   args = parser.parse_args(argv)
 
   devices = jax.local_devices()
@@ -163,7 +168,15 @@ def main(argv=None):
         f"images/device, dtype {config.model.dtype}, attention {config.model.attention_impl}, "
         f"remat {config.model.remat}")
   step = Step(config)
-  rows = [measure(step, devices[:1], "dp", args.per_device_batch, args.warmup, args.steps)]
+  if args.baseline_img_s < 0:
+    parser.error(f"--baseline_img_s must be positive, got {args.baseline_img_s}")
+  if args.baseline_img_s:
+    rows = [dict(mode="1 device (given)", devices=1, global_batch=args.per_device_batch,
+                 img_s=args.baseline_img_s, step_ms=1000 * args.per_device_batch
+                 / args.baseline_img_s, compile_s=float("nan"), xla_gib=float("nan"),
+                 estimate_gib=float("nan"), loss=float("nan"))]
+  else:
+    rows = [measure(step, devices[:1], "dp", args.per_device_batch, args.warmup, args.steps)]
   for mode in filter(None, args.modes.split(",")):
     if len(devices) < 2:
       print("only one local device: nothing to scale to")

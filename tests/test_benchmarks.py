@@ -122,6 +122,23 @@ def test_lever_ab_takes_config_overrides_as_variants():
   assert done.returncode != 0 and "unknown variants ['nope']" in done.stderr
 
 
+def test_lever_ab_takes_attention_tilings_as_variants():
+  """``attention_tiling:<fields>`` patches the kernels' default tiling for its
+  row alone; a field AttentionTiling does not have fails before compiling."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import lever_ab
+  from darl_jax.kernels import hopper_attention as ha
+  before = ha.DEFAULT_ATTENTION_TILING
+  with lever_ab.variant("attention_tiling:slots=3/rope_tables=float32/dq_from_ds=true"):
+    assert ha.DEFAULT_ATTENTION_TILING == ha.AttentionTiling(3, "float32", True)
+  assert ha.DEFAULT_ATTENTION_TILING == before
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lever_ab.py"),
+                         "--variants=base,attention_tiling:stripes=2"],
+                        capture_output=True, text=True, env=env)
+  assert done.returncode != 0 and "unknown AttentionTiling field 'stripes'" in done.stderr
+
+
 def test_layer_norm_bench_checks_and_times_each_setting():
   out = run("layer_norm_bench.py", "--shape=mu/16:1", "--blocks=4x2:4x2x3,8x4:2x2x5", "--iters=1")
   rows = [r for r in out.splitlines() if r.startswith("| ") and "ms" not in r and "---" not in r]
@@ -247,3 +264,30 @@ ENTRY %main (a: bf16[8,4], b: f32[4]) -> f32[8,4] {
   nbytes, source = info[profile_step._key("loop_add_fusion.3")]
   assert nbytes == 8 * 4 * 4 + 8 * 4 * 2 + 4 * 4      # result + both operands
   assert profile_step._group("loop_add_fusion.3", source) == "loop_add_fusion @ block_*/mlp/add"
+
+
+def test_scaling_benchmark_on_two_cpu_devices():
+  """Weak scaling over 2 fake CPU devices: a row per mode with efficiency
+  against the 1-device run, or against ``--baseline_img_s`` when given
+  (then no 1-device run)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  common = ["--variant=mu/4", "--image_size=32", "--per_device_batch=4", "--steps=1",
+            "--warmup=1", "--modes=fsdp"]
+
+  def rows(*args):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling_benchmark.py"),
+                           *common, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line.split() for line in done.stdout.splitlines()
+            if line.startswith(("1 device", "fsdp "))]
+
+  measured = rows()
+  assert [r[0] for r in measured] == ["1", "fsdp"] and measured[0][2:4] == ["1", "4"]
+  assert measured[0][6] == "100.0%"
+  given = rows("--baseline_img_s=1000")
+  assert given[0][:6] == ["1", "device", "(given)", "1", "4", "1000.0"]
+  fsdp = given[1]   # devices, global batch, img/s, step ms, efficiency = img/s / (2 x 1000)
+  assert fsdp[1:3] == ["2", "8"] and float(fsdp[5].rstrip("%")) == pytest.approx(
+      float(fsdp[3]) / 2000 * 100, abs=0.06)

@@ -122,32 +122,10 @@ class AttentionTiling:
   transposed dS operand, and the default schedule runs. Off: at ViT-L/16,
   batch 256, the attention layer's forward + backward took 2.189 ms with it
   against 2.232 without (from the block's input), 0.835 against 0.817 on
-  plain q, k, v (H200): no gain the training step could show.
-
-  ``heads_per_cta``: how many heads of its tile one CTA of the forward, dQ
-  and dK/dV kernels takes, one after another (the largest divisor of the
-  head count up to this; a triple sets the three kernels apart). At 196 tokens a CTA's work for one head is only
-  about three tile pairs, so the copies of the tiles it holds (and the
-  first streamed ones) and its epilogue's stores are a large part of its
-  life, waited for with nothing to do. With several heads the tiles stream
-  through the slots from one head into the next without a break, the next
-  head's held tiles are fetched while this head computes (two buffers of
-  them), and an epilogue waits only until its staged tiles are read. The
-  dQ-from-dS schedule's kernels take one head a CTA."""
+  plain q, k, v (H200): no gain the training step could show."""
   slots: int = 2
   rope_tables: str = "bfloat16"
   dq_from_ds: bool = False
-  heads_per_cta: int | tuple = 1
-
-  def group(self, kernel: int) -> int:
-    """``heads_per_cta`` of kernel 0 (forward), 1 (dQ) or 2 (dK/dV): one
-    number for all three, or a triple."""
-    g = self.heads_per_cta
-    g = g[kernel] if isinstance(g, tuple) else g
-    if not isinstance(g, int) or g < 1:
-      raise ValueError(f"heads_per_cta must be a positive int or a triple of them (forward, "
-                       f"dQ, dK/dV), got {self.heads_per_cta}")
-    return g
 
 
 # slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
@@ -321,36 +299,25 @@ class _Geometry:
   slots: int
   dtype: object
   at: tuple   # head offsets of q, k, v
-  group: int  # heads a CTA takes, one after another (see _items)
 
   @classmethod
-  def of(cls, v, at, seg: int, tiling: AttentionTiling, span, kernel=None):
+  def of(cls, v, at, seg: int, tiling: AttentionTiling, span):
     """``v``: the array v is read from; ``at``: (heads, q, k, v offsets),
     from _packed or _separate; ``span``: _q_span or _kv_span, the tiles a
-    CTA streams; ``kernel``: 0, 1, 2 (forward, dQ, dK/dV: the kernel's
-    ``tiling.heads_per_cta``), or None for one head a CTA."""
+    CTA streams."""
     rows, _, d = v.shape
     heads, *at = at
     longest = _max_span(span, rows // BLOCK, seg)
-    group = 1 if kernel is None else math.gcd(heads, tiling.group(kernel))
     return cls(rows, heads, d, min(tiling.slots, longest) if tiling.slots else longest,
-               v.dtype, tuple(at), group)
-
-  @property
-  def held(self) -> int:
-    """Buffers for the tiles a CTA holds through one head's stream: two when
-    it takes several heads (the next head's are fetched meanwhile)."""
-    return min(self.group, 2)
+               v.dtype, tuple(at))
 
   @property
   def scale(self) -> float:
     return self.d ** -0.5
 
-  def tile(self, slotted: bool = False, held: bool = False):
-    """Shared memory for one ``[64, D]`` tile (one per slot if ``slotted``,
-    one per held buffer if ``held``)."""
-    lead = (self.slots,) if slotted else (self.held,) if held else ()
-    return plgpu.SMEM(lead + (BLOCK, self.d), self.dtype,
+  def tile(self, slotted: bool = False):
+    """Shared memory for one ``[64, D]`` tile (one per slot if ``slotted``)."""
+    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, self.d), self.dtype,
                       transforms=swizzled(self.d, self.dtype))
 
   def scores(self, slotted: bool = False):
@@ -375,15 +342,12 @@ class _Geometry:
             + [self.half(self.dtype), self.half(self.dtype)])
 
   def bias(self):
-    """Shared memory for one head's float32 ``[D]`` value bias, per held
-    buffer."""
-    return plgpu.SMEM((self.held, self.d), jnp.float32)
+    """Shared memory for one head's float32 ``[D]`` value bias."""
+    return plgpu.SMEM((self.d,), jnp.float32)
 
-  def vector(self, slotted: bool = False, held: bool = False):
-    """Shared memory for one tile's per-row float32 values (per slot or
-    held buffer, as ``tile``)."""
-    lead = (self.slots,) if slotted else (self.held,) if held else ()
-    return plgpu.SMEM(lead + (BLOCK,), jnp.float32)
+  def vector(self, slotted: bool = False):
+    """Shared memory for one tile's per-row float32 values."""
+    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK,), jnp.float32)
 
   def sums(self, grads: int):
     """Shared memory for the column sums of ``grads`` gradient tiles: per
@@ -409,103 +373,51 @@ class _Geometry:
     return jax.ShapeDtypeStruct((self.rows // BLOCK, grads * self.heads, self.d), jnp.float32)
 
   def call(self, name, body, *, inputs, out_type, scratch, interpret: bool):
-    """``body(*input refs, *output refs, *scratch)`` on a (tile, head group)
-    grid.
+    """``body(*input refs, *output refs, *scratch)`` on a (tile, head) grid.
     ``pl.kernel`` rather than ``plgpu.kernel``: it takes a ``jax.Ref`` input
     (written in place, aliased in and out of the call), which _dkv needs."""
     def entry(*refs):
       pl.run_scoped(lambda *s: body(*refs, *s), *scratch)
     return pl.kernel(
         entry, out_type=out_type,
-        mesh=plgpu.Mesh(grid=(self.rows // BLOCK, self.heads // self.group),
-                        grid_names=("tile", "head")),
+        mesh=plgpu.Mesh(grid=(self.rows // BLOCK, self.heads), grid_names=("tile", "head")),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=interpret_params(interpret), name=f"attention_{name}")(*inputs)
 
 
-def _fetcher(first, bar, head, tiles=(), vectors=()):
-  """``fetch(t, j, slot)``: copy streamed tile ``first + j`` of the CTA's
-  head ``t`` into ``slot``, for each (gmem, head offset, smem) of ``tiles``
-  (``[N, *, D]`` arrays) and ``vectors`` (``[H, N]`` per-row values), all
-  landing on ``bar[slot]``. ``head(t)``: the model's head of the CTA's
-  ``t``-th."""
-  def fetch(t, j, slot):
+def _fetcher(first, bar, tiles=(), vectors=()):
+  """``fetch(j, slot)``: copy streamed tile ``first + j`` into ``slot``, for
+  each (gmem, head, smem) of ``tiles`` (``[N, *, D]`` arrays) and
+  ``vectors`` (``[H, N]`` per-row values), all landing on ``bar[slot]``."""
+  def fetch(j, slot):
     rows = pl.ds((first + j) * BLOCK, BLOCK)
-    for gmem, at, smem in tiles:
-      plgpu.copy_gmem_to_smem(gmem.at[rows, at + head(t)], smem.at[slot], bar.at[slot])
-    for gmem, at, smem in vectors:
-      plgpu.copy_gmem_to_smem(gmem.at[at + head(t), rows], smem.at[slot], bar.at[slot])
+    for gmem, head, smem in tiles:
+      plgpu.copy_gmem_to_smem(gmem.at[rows, head], smem.at[slot], bar.at[slot])
+    for gmem, head, smem in vectors:
+      plgpu.copy_gmem_to_smem(gmem.at[head, rows], smem.at[slot], bar.at[slot])
   return fetch
 
 
-def _items(g: "_Geometry", n, fetch_held, fetch, begin, step, finish, hold_last: bool = False):
-  """Run a CTA's ``g.group`` heads one after another, each streaming ``n``
-  tiles (dynamic), as one stream of ``g.group * n`` steps through
-  ``g.slots`` slots: the first ``slots`` copies issued up front, each later
-  one into the slot its predecessor just freed, across heads without a
-  break.
+def _stream(n, slots: int, fetch, step, carry):
+  """Run ``step(j, slot, carry)`` over streamed tiles ``j < n`` (dynamic),
+  ``fetch(j, slot)`` issuing tile j's copies: the first ``slots`` up front,
+  each later one into the slot its predecessor just freed. The caller's
+  step waits on its slot's barrier; one warpgroup is both producer and sole
+  waiter, so a reused barrier's phases are seen in order."""
+  @pl.loop(0, jnp.minimum(n, slots))
+  def _(j):
+    fetch(j, j % slots)
 
-  - ``fetch_held(t, buf)``: issue the copies of head t's held tiles into
-    held buffer ``buf`` (``t % g.held``); head 0's up front, head t + 1's
-    once head t has begun (its buffer's previous head is finished).
-  - ``fetch(t, j, slot)``: issue streamed tile j of head t (_fetcher).
-  - ``begin(t, buf)``: wait for head t's held tiles; -> the stream's
-    initial carry.
-  - ``step(t, j, slot, buf, carry)``: wait on the slot's barrier, compute;
-    -> carry.
-  - ``finish(t, buf, slot, carry)``: the epilogue (``slot``: the last
-    streamed tile's), its stores issued through _copy_out, which waits
-    until they have read shared memory (not until they land), so staging
-    buffers can be reused; the kernel waits for all its stores at the end.
-  - ``hold_last``: refill the last streamed tile's slot only after
-    ``finish`` (the forward's epilogue copies v out of it).
+  def body(j, carry):
+    slot = j % slots
+    carry = step(j, slot, carry)
 
-  One warpgroup is both producer and sole waiter, so a reused barrier's
-  phases are seen in order."""
-  count, slots = g.group, g.slots
-  total = count * n
-
-  def fetch_flat(s, slot):
-    fetch(s // n, s % n, slot)
-
-  fetch_held(0, 0)
-
-  @pl.loop(0, jnp.minimum(total, slots))
-  def _(s):
-    fetch_flat(s, s % slots)
-
-  @pl.loop(0, count)
-  def _(t):
-    buf = t % g.held
-    carry = begin(t, buf)
-    if count > 1:
-      @pl.when(t + 1 < count)
-      def _():
-        fetch_held(t + 1, (t + 1) % g.held)
-
-    def body(j, carry):
-      s = t * n + j
-      slot = s % slots
-      carry = step(t, j, slot, buf, carry)
-      refill = s + slots < total
-      if hold_last:
-        refill = refill & (j + 1 < n)
-
-      @pl.when(refill)
-      def _():
-        fetch_flat(s + slots, slot)
-      return carry
-
-    carry = lax.fori_loop(0, n, body, carry)
-    last = t * n + n - 1
-    finish(t, buf, last % slots, carry)
-    if hold_last:
-      @pl.when(last + slots < total)
-      def _():
-        fetch_flat(last + slots, last % slots)
-
-  plgpu.wait_smem_to_gmem(0)
+    @pl.when(j + slots < n)
+    def _():
+      fetch(j + slots, slot)
+    return carry
+  return lax.fori_loop(0, n, body, carry)
 
 
 def _fetch_tables(tables, tile, smem, bar):
@@ -513,14 +425,6 @@ def _fetch_tables(tables, tile, smem, bar):
   period = tables[0].shape[0]
   for table, table_smem in zip(tables, smem):
     plgpu.copy_gmem_to_smem(table.at[tile - tile // period * period], table_smem, bar)
-
-
-def _tables_once(t, bar):
-  """Wait for the RoPE tables' rows (_fetch_tables, issued once a CTA) before
-  the first head's epilogue, the first that reads them."""
-  @pl.when(t == 0)
-  def _():
-    plgpu.barrier_wait(bar.at[0])
 
 
 def _stage_grad(x, gmem, rows, head, tile_smem, rope, ops: "_Ops"):
@@ -620,7 +524,7 @@ def _column_sums(grads, sums_smem, ops: "_Ops"):
 
 def _copy_out(copies, then=None):
   """Issue the bulk copies ``(smem, gmem, ...)`` of what the epilogue
-  staged, and wait until they have read it. ``then``: None, or a function that stages
+  staged, and wait for them. ``then``: None, or a function that stages
   more (reading what is staged: _column_sums) and returns its copies; it
   runs after the first copies are issued (they and its products only read
   the staged tiles), and its copies join theirs."""
@@ -632,9 +536,7 @@ def _copy_out(copies, then=None):
     plgpu.commit_smem()
     for smem, gmem in more:
       plgpu.copy_smem_to_gmem(smem, gmem)
-  # until the copies have read the staged tiles, which the next head's
-  # epilogue (or held tiles) may overwrite; _items waits for them to land
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: bool,
@@ -649,7 +551,7 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
   more bulk copy stores it: every row of v is written once, by one CTA,
   with no extra read. The backward then keeps this array instead of the
   packed projection (two thirds smaller)."""
-  g = _Geometry.of(v, at, seg, tiling, _q_span, kernel=0)
+  g = _Geometry.of(v, at, seg, tiling, _q_span)
   ops = _Ops(interpret)
   biased = v_bias is not None
 
@@ -660,28 +562,19 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
     v_out, refs = (refs[0], refs[1:]) if keep_v else (None, refs)
     q_smem, k_smem, v_smem, lse_smem, *refs = refs
     bias_smem, (q_bar, kv_bar) = (refs[0], refs[1:]) if biased else (None, refs)
-    i, group = lax.axis_index("tile"), lax.axis_index("head")
-    head = lambda t: group * g.group + t  # noqa: E731
+    i, h = lax.axis_index("tile"), lax.axis_index("head")
     q0 = i * BLOCK
-    rows = pl.ds(q0, BLOCK)
     lo, n = _q_span(i, seg)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0, BLOCK), g.at[0] + h], q_smem, q_bar.at[0])
+    if biased:
+      plgpu.copy_gmem_to_smem(bias_ref.at[h], bias_smem, q_bar.at[0])
+    fetch = _fetcher(lo, kv_bar, tiles=((k_ref, g.at[1] + h, k_smem),
+                                        (v_ref, g.at[2] + h, v_smem)))
 
-    def fetch_held(t, buf):
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, g.at[0] + head(t)], q_smem.at[buf], q_bar.at[buf])
-      if biased:
-        plgpu.copy_gmem_to_smem(bias_ref.at[head(t)], bias_smem.at[buf], q_bar.at[buf])
-
-    def begin(t, buf):
-      plgpu.barrier_wait(q_bar.at[buf])
-      row = plgpu.Layout.WGMMA.reduce(1)
-      return (ops.zeros((BLOCK, g.d)),
-              ops.cast(jnp.full((BLOCK,), _M_INIT, jnp.float32), row),
-              ops.cast(jnp.zeros((BLOCK,), jnp.float32), row))
-
-    def step(t, j, slot, buf, carry):
+    def step(j, slot, carry):
       acc, m, l = carry
       plgpu.barrier_wait(kv_bar.at[slot])
-      s, = _products([_Mm(q_smem.at[buf], k_smem.at[slot], b_t=True)], ops)
+      s, = _products([_Mm(q_smem, k_smem.at[slot], b_t=True)], ops)
       s = s * (g.scale * _LOG2E)
       keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
       s = jnp.where(keep, s, -jnp.inf)
@@ -693,26 +586,26 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
       acc, = _products([_Mm(p.astype(q_smem.dtype), v_smem.at[slot], acc=acc)], ops)
       return acc, m_new, l
 
-    def finish(t, buf, slot, carry):
-      acc, m, l = carry
-      h = head(t)
-      out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-      if biased:
-        out = out + lax.broadcast_in_dim(ops.cols(bias_smem.at[buf]), out.shape, [1])
-      q_smem.at[buf][...] = out.astype(q_smem.dtype)        # Q is no longer read
-      lse_smem[...] = m + jnp.log2(l)
-      copies = [(q_smem.at[buf], o_ref.at[rows, h]), (lse_smem, lse_ref.at[h, rows])]
-      if keep_v:   # the last streamed tile, lo + n - 1 = i: this CTA's own rows
-        copies.append((v_smem.at[slot], v_out.at[rows, h]))
-      _copy_out(copies)
+    plgpu.barrier_wait(q_bar.at[0])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    carry = (ops.zeros((BLOCK, g.d)),
+             ops.cast(jnp.full((BLOCK,), _M_INIT, jnp.float32), row),
+             ops.cast(jnp.zeros((BLOCK,), jnp.float32), row))
+    acc, m, l = _stream(n, g.slots, fetch, step, carry)
+    out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+    if biased:
+      out = out + lax.broadcast_in_dim(ops.cols(bias_smem), out.shape, [1])
+    q_smem[...] = out.astype(q_smem.dtype)        # Q is no longer read
+    lse_smem[...] = m + jnp.log2(l)
+    copies = [(q_smem, o_ref.at[pl.ds(q0, BLOCK), h]),
+              (lse_smem, lse_ref.at[h, pl.ds(q0, BLOCK)])]
+    if keep_v:   # the last streamed tile, lo + n - 1 = i: this CTA's own rows
+      copies.append((v_smem.at[(n - 1) % g.slots], v_out.at[pl.ds(q0, BLOCK), h]))
+    _copy_out(copies)
 
-    _items(g, n, fetch_held,
-           _fetcher(lo, kv_bar, head, tiles=((k_ref, g.at[1], k_smem), (v_ref, g.at[2], v_smem))),
-           begin, step, finish, hold_last=keep_v)
-
-  scratch = [g.tile(held=True), g.tile(slotted=True), g.tile(slotted=True), g.vector()]
+  scratch = [g.tile(), g.tile(slotted=True), g.tile(slotted=True), g.vector()]
   scratch += [g.bias()] if biased else []
-  scratch += [plgpu.Barrier(num_arrivals=2 if biased else 1, num_barriers=g.held),
+  scratch += [plgpu.Barrier(num_arrivals=2 if biased else 1, num_barriers=1),
               plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
   return g.call("fwd", body, inputs=(q, k, v) + ((v_bias,) if biased else ()),
                 out_type=(g.tiles_out(), g.vector_out()) + ((g.tiles_out(),) if keep_v else ()),
@@ -729,7 +622,7 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
   _forward; O includes it and the products here use v without it, so delta
   is taken of O minus the bias."""
   biased = v_bias is not None
-  g = _Geometry.of(v, at, seg, tiling, _q_span, kernel=1)
+  g = _Geometry.of(v, at, seg, tiling, _q_span)
   ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
@@ -743,71 +636,58 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
     (q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, *refs) = refs
     rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
     bias_smem, refs = (refs[0], refs[1:]) if biased else (None, refs)
-    sums_smem, (held_bar, kv_bar, *table_bar) = (refs[0], refs[1:]) if sums else (None, refs)
-    i, group = lax.axis_index("tile"), lax.axis_index("head")
-    head = lambda t: group * g.group + t  # noqa: E731
+    sums_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if sums else (None, refs)
+    i, h = lax.axis_index("tile"), lax.axis_index("head")
     q0 = i * BLOCK
     lo, n = _q_span(i, seg)
     rows = pl.ds(q0, BLOCK)
-    if rope:   # the same rows for every head of the CTA
-      _fetch_tables(table_refs, i, rope_smem[:nt], table_bar[0].at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, g.at[0] + h], q_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(o_ref.at[rows, h], o_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lse_smem, held_bar.at[0])
+    if rope:
+      _fetch_tables(table_refs, i, rope_smem[:nt], held_bar.at[0])
+    if biased:
+      plgpu.copy_gmem_to_smem(bias_ref.at[h], bias_smem, held_bar.at[0])
+    fetch = _fetcher(lo, kv_bar, tiles=((k_ref, g.at[1] + h, k_smem),
+                                        (v_ref, g.at[2] + h, v_smem)))
 
-    def fetch_held(t, buf):
-      h, bar = head(t), held_bar.at[buf]
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, g.at[0] + h], q_smem.at[buf], bar)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem.at[buf], bar)
-      plgpu.copy_gmem_to_smem(o_ref.at[rows, h], o_smem.at[buf], bar)
-      plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lse_smem.at[buf], bar)
-      if biased:
-        plgpu.copy_gmem_to_smem(bias_ref.at[h], bias_smem.at[buf], bar)
+    plgpu.barrier_wait(held_bar.at[0])
+    lse_rows = ops.rows(lse_smem)
+    # The softmax backward's row term, here rather than in a separate pass
+    # over O and dO; _dkv reads it back.
+    o_tile = ops.cast(o_smem[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+    if biased:
+      o_tile = o_tile - lax.broadcast_in_dim(ops.cols(bias_smem), o_tile.shape, [1])
+    do_tile = ops.cast(do_smem[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+    delta_rows = (o_tile * do_tile).sum(axis=1)
+    delta_smem[...] = delta_rows
 
-    def begin(t, buf):
-      plgpu.barrier_wait(held_bar.at[buf])
-      lse_rows = ops.rows(lse_smem.at[buf])
-      # The softmax backward's row term, here rather than in a separate pass
-      # over O and dO; _dkv reads it back.
-      o_tile = ops.cast(o_smem.at[buf][...], plgpu.Layout.WGMMA).astype(jnp.float32)
-      if biased:
-        o_tile = o_tile - lax.broadcast_in_dim(ops.cols(bias_smem.at[buf]), o_tile.shape, [1])
-      do_tile = ops.cast(do_smem.at[buf][...], plgpu.Layout.WGMMA).astype(jnp.float32)
-      delta_rows = (o_tile * do_tile).sum(axis=1)
-      return ops.zeros((BLOCK, g.d)), lse_rows, delta_rows
-
-    def step(t, j, slot, buf, carry):
-      acc, lse_rows, delta_rows = carry
+    def step(j, slot, acc):
       plgpu.barrier_wait(kv_bar.at[slot])
-      s, dp = _products([_Mm(q_smem.at[buf], k_smem.at[slot], b_t=True),
-                         _Mm(do_smem.at[buf], v_smem.at[slot], b_t=True)], ops)
+      s, dp = _products([_Mm(q_smem, k_smem.at[slot], b_t=True),
+                         _Mm(do_smem, v_smem.at[slot], b_t=True)], ops)
       p = jnp.exp2(s * (g.scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
       keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
       p = jnp.where(keep, p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta_rows, dp.shape, [0]))
       acc, = _products([_Mm(ds.astype(q_smem.dtype), k_smem.at[slot], acc=acc)], ops)
-      return acc, lse_rows, delta_rows
+      return acc
 
-    def finish(t, buf, slot, carry):
-      acc, _, delta_rows = carry
-      h = head(t)
-      if rope:
-        _tables_once(t, table_bar[0])
-      delta_smem[...] = delta_rows
-      copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, q_smem.at[buf], rope_smem, ops)
-      _copy_out(copies + [(delta_smem, delta_ref.at[h, rows])],
-                functools.partial(_column_sums, [(copies, sums_ref.at[i, h])], sums_smem, ops)
-                if sums else None)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
+    copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, q_smem,
+                         rope_smem, ops)
+    _copy_out(copies + [(delta_smem, delta_ref.at[h, rows])],
+              functools.partial(_column_sums, [(copies, sums_ref.at[i, h])], sums_smem, ops)
+              if sums else None)
 
-    _items(g, n, fetch_held,
-           _fetcher(lo, kv_bar, head, tiles=((k_ref, g.at[1], k_smem), (v_ref, g.at[2], v_smem))),
-           begin, step, finish)
-
-  scratch = [g.tile(held=True), g.tile(held=True), g.tile(held=True), g.tile(slotted=True),
-             g.tile(slotted=True), g.vector(held=True), g.vector()]
+  scratch = [g.tile(), g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
+             g.vector(), g.vector()]
   scratch += g.rope_scratch(tables) if rope else []
   scratch += [g.bias()] if biased else []
   scratch += [g.sums(1)] if sums else []
-  scratch += [plgpu.Barrier(num_arrivals=4 + biased, num_barriers=g.held),
+  scratch += [plgpu.Barrier(num_arrivals=4 + nt + biased, num_barriers=1),
               plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
-  scratch += [plgpu.Barrier(num_arrivals=nt, num_barriers=1)] if rope else []
   return g.call("dq", body, inputs=(q, k, v, o, do, lse) + (tuple(tables) if rope else ())
                 + ((v_bias,) if biased else ()),
                 out_type=(g.grads_out(), g.vector_out()) + ((g.sums_out(1),) if sums else ()),
@@ -825,11 +705,11 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   kernel's first output instead (dQ's heads left for _dq_from_ds), and the
   last output is every tile pair's dS^T, ``[H, N / 64, span, 64, 64]``
   bf16: key tile c's pair with query tile c + j at ``[h, c, j]``."""
-  store_ds = grads is None
-  g = _Geometry.of(v, at, seg, tiling, _kv_span, kernel=None if store_ds else 2)
+  g = _Geometry.of(v, at, seg, tiling, _kv_span)
   ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
+  store_ds = grads is None
 
   def body(*refs):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
@@ -840,30 +720,24 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *refs) = refs
     rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
     sums_smem, refs = (refs[0], refs[1:]) if sums else (None, refs)
-    ds_smem, (held_bar, q_bar, *table_bar) = (refs[0], refs[1:]) if store_ds else (None, refs)
-    c, group = lax.axis_index("tile"), lax.axis_index("head")
-    head = lambda t: group * g.group + t  # noqa: E731
+    ds_smem, (held_bar, q_bar) = (refs[0], refs[1:]) if store_ds else (None, refs)
+    c, h = lax.axis_index("tile"), lax.axis_index("head")
     k0 = c * BLOCK
     first, n = _kv_span(c, seg)
     rows = pl.ds(k0, BLOCK)
-    if rope:   # the same rows for every head of the CTA
-      _fetch_tables(table_refs, c, rope_smem[:nt], table_bar[0].at[0])
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, g.at[1] + h], k_smem, held_bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, g.at[2] + h], v_smem, held_bar.at[0])
+    if rope:
+      _fetch_tables(table_refs, c, rope_smem[:nt], held_bar.at[0])
+    fetch = _fetcher(first, q_bar, tiles=((q_ref, g.at[0] + h, q_smem), (do_ref, h, do_smem)),
+                     vectors=((lse_ref, h, lse_smem), (delta_ref, h, delta_smem)))
+    plgpu.barrier_wait(held_bar.at[0])
 
-    def fetch_held(t, buf):
-      h, bar = head(t), held_bar.at[buf]
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, g.at[1] + h], k_smem.at[buf], bar)
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, g.at[2] + h], v_smem.at[buf], bar)
-
-    def begin(t, buf):
-      plgpu.barrier_wait(held_bar.at[buf])
-      zeros = ops.zeros((BLOCK, g.d))
-      return zeros, zeros
-
-    def step(t, j, slot, buf, carry):
+    def step(j, slot, carry):
       dk, dv = carry
       plgpu.barrier_wait(q_bar.at[slot])
-      st, dpt = _products([_Mm(k_smem.at[buf], q_smem.at[slot], b_t=True),
-                           _Mm(v_smem.at[buf], do_smem.at[slot], b_t=True)], ops)
+      st, dpt = _products([_Mm(k_smem, q_smem.at[slot], b_t=True),
+                           _Mm(v_smem, do_smem.at[slot], b_t=True)], ops)
       pt = jnp.exp2(st * (g.scale * _LOG2E)
                     - lax.broadcast_in_dim(ops.cols(lse_smem.at[slot]), st.shape, [1]))
       keep = _mask((first + j) * BLOCK, k0, seg, True, ops.iota)
@@ -875,40 +749,31 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         ds_smem[...] = dst
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[head(t), c, j])
+        plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[h, c, j])
       dk, dv = _products([_Mm(dst, q_smem.at[slot], acc=dk),
                           _Mm(pt.astype(k_smem.dtype), do_smem.at[slot], acc=dv)], ops)
       return dk, dv
 
-    def finish(t, buf, slot, carry):
-      dk, dv = carry
-      h = head(t)
-      if rope:
-        _tables_once(t, table_bar[0])
-      # dK's pieces (k_smem, or the halves with RoPE) and dV's (v_smem) are
-      # different buffers: both stay staged until the copies and sums are done.
-      dk_pieces = _stage_grad(dk * g.scale, dqkv_ref, rows, g.heads + h, k_smem.at[buf],
-                              rope_smem, ops)
-      dv_pieces = _stage_grad(dv, dqkv_ref, rows, 2 * g.heads + h, v_smem.at[buf], None, ops)
-      _copy_out(dk_pieces + dv_pieces,
-                functools.partial(_column_sums, [(dk_pieces, sums_ref.at[c, h]),
-                                                 (dv_pieces, sums_ref.at[c, g.heads + h])],
-                                  sums_smem, ops) if sums else None)
+    zeros = ops.zeros((BLOCK, g.d))
+    dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
+    # dK's pieces (k_smem, or the halves with RoPE) and dV's (v_smem) are
+    # different buffers: both stay staged until the copies and sums are done.
+    dk_pieces = _stage_grad(dk * g.scale, dqkv_ref, rows, g.heads + h, k_smem,
+                            rope_smem, ops)
+    dv_pieces = _stage_grad(dv, dqkv_ref, rows, 2 * g.heads + h, v_smem, None, ops)
+    _copy_out(dk_pieces + dv_pieces,
+              functools.partial(_column_sums, [(dk_pieces, sums_ref.at[c, h]),
+                                               (dv_pieces, sums_ref.at[c, g.heads + h])],
+                                sums_smem, ops) if sums else None)
 
-    _items(g, n, fetch_held,
-           _fetcher(first, q_bar, head, tiles=((q_ref, g.at[0], q_smem), (do_ref, 0, do_smem)),
-                    vectors=((lse_ref, 0, lse_smem), (delta_ref, 0, delta_smem))),
-           begin, step, finish)
-
-  scratch = [g.tile(held=True), g.tile(held=True), g.tile(slotted=True), g.tile(slotted=True),
+  scratch = [g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
              g.vector(slotted=True), g.vector(slotted=True)]
   if rope:
     scratch += g.rope_scratch(tables)
   scratch += [g.sums(2)] if sums else []
   scratch += [g.scores()] if store_ds else []
-  scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=g.held),
+  scratch += [plgpu.Barrier(num_arrivals=2 + nt, num_barriers=1),
               plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
-  scratch += [plgpu.Barrier(num_arrivals=nt, num_barriers=1)] if rope else []
   out_type = (g.sums_out(2),) if sums else ()
   if store_ds:
     span = _max_span(_kv_span, g.rows // BLOCK, seg)
@@ -940,39 +805,36 @@ def _dq_from_ds(k, ds, grads, tables, at, seg: int, tiling: AttentionTiling, int
     sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
     k_smem, ds_smem, out_smem, *refs = refs
     rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
-    sums_smem, (kv_bar, *table_bar) = (refs[0], refs[1:]) if sums else (None, refs)
+    sums_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if sums else (None, refs)
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     lo, n = _q_span(i, seg)
     rows = pl.ds(i * BLOCK, BLOCK)
     if rope:
-      _fetch_tables(table_refs, i, rope_smem[:nt], table_bar[0].at[0])
+      _fetch_tables(table_refs, i, rope_smem[:nt], held_bar.at[0])
 
-    def fetch(t, j, slot):
+    def fetch(j, slot):
       c = lo + j
       plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(c * BLOCK, BLOCK), g.at[1] + h], k_smem.at[slot],
                               kv_bar.at[slot])
       plgpu.copy_gmem_to_smem(ds_ref.at[h, c, i - c], ds_smem.at[slot], kv_bar.at[slot])
 
-    def step(t, j, slot, buf, acc):
+    def step(j, slot, acc):
       plgpu.barrier_wait(kv_bar.at[slot])
       acc, = _products([_Mm(ds_smem.at[slot], k_smem.at[slot], acc=acc, a_t=True)], ops)
       return acc
 
-    def finish(t, buf, slot, acc):
-      if rope:
-        _tables_once(t, table_bar[0])
-      copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, out_smem, rope_smem, ops)
-      _copy_out(copies, functools.partial(_column_sums, [(copies, sums_ref.at[i, h])],
-                                          sums_smem, ops) if sums else None)
-
-    _items(g, n, lambda t, buf: None, fetch, lambda t, buf: ops.zeros((BLOCK, g.d)), step,
-           finish)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
+    if rope:
+      plgpu.barrier_wait(held_bar.at[0])
+    copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, out_smem, rope_smem, ops)
+    _copy_out(copies, functools.partial(_column_sums, [(copies, sums_ref.at[i, h])],
+                                        sums_smem, ops) if sums else None)
 
   scratch = [g.tile(slotted=True), g.scores(slotted=True), g.tile()]
   scratch += g.rope_scratch(tables) if rope else []
   scratch += [g.sums(1)] if sums else []
-  scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
-  scratch += [plgpu.Barrier(num_arrivals=nt, num_barriers=1)] if rope else []
+  scratch += [plgpu.Barrier(num_arrivals=max(nt, 1), num_barriers=1),
+              plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
   return g.call("dq_from_ds", body, inputs=(k, ds) + (tuple(tables) if rope else ()) + (grads,),
                 out_type=(g.sums_out(1),) if sums else (), scratch=scratch,
                 interpret=interpret)
