@@ -39,6 +39,16 @@ wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
 at head dim 64, so several share a multiprocessor and hide each other's
 latencies.
 
+What limits the backward (benchmarks/RESULTS.md, sixteenth and seventeenth
+sessions): each tile pair is a dependent chain (score products, wait, mask
+and softmax, gradient products, wait), and dK/dV's 200-odd registers a
+thread leave two CTAs a multiprocessor to fill each other's gaps, so the
+schedulers issue about a third of the time. The block-diagonal mask is
+about a third of a step's instructions (12% of the backward's time). Not
+the cause, measured: CTAs taking several heads one after another, so that
+prologue copies and epilogue stores overlap the next head's work (within 3%
+either way), and fewer products per pair (dq_from_ds, above).
+
 Three entry points wrap them with a custom gradient:
 
 - ``causal_attention_qkv(qkv, bias, rope)``, what the model calls: it takes
