@@ -409,6 +409,8 @@ def parse_attention_tiling(text: str):
     if key == "rope_tables":
       fields[key] = value
     elif key == "dq_from_ds":
+      if value.lower() not in ("1", "true", "0", "false"):
+        raise ValueError(f"dq_from_ds takes true or false, got {value!r}")
       fields[key] = value.lower() in ("1", "true")
     else:
       fields[key] = int(value)

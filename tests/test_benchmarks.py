@@ -132,6 +132,8 @@ def test_lever_ab_takes_attention_tilings_as_variants():
   with lever_ab.variant("attention_tiling:slots=3/rope_tables=float32/dq_from_ds=true"):
     assert ha.DEFAULT_ATTENTION_TILING == ha.AttentionTiling(3, "float32", True)
   assert ha.DEFAULT_ATTENTION_TILING == before
+  with pytest.raises(ValueError, match="true or false"):
+    lever_ab.parse_attention_tiling("dq_from_ds=yes")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lever_ab.py"),
                          "--variants=base,attention_tiling:stripes=2"],
