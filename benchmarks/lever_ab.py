@@ -397,6 +397,12 @@ LN_BLOCKS = "ln_blocks:"
 ATTENTION_TILING = "attention_tiling:"
 
 
+def _is_override(name: str) -> bool:
+  """A ``key=value`` config override (an ``attention_tiling:`` variant has
+  ``=`` in its fields, but is a variant)."""
+  return "=" in name and not name.startswith(ATTENTION_TILING)
+
+
 def parse_attention_tiling(text: str):
   """``slots=3/rope_tables=float32`` (fields of
   hopper_attention.AttentionTiling, ``/``-separated) -> the tiling."""
@@ -451,7 +457,8 @@ def main():
   args = parser.parse_args()
   model, objective, batch = args.case.split(":")
   names = args.variants.split(",")
-  bad = [n for n in names if n not in VARIANTS and "=" not in n and not n.startswith(LN_BLOCKS)]
+  bad = [n for n in names if n not in VARIANTS and not _is_override(n)
+         and not n.startswith((LN_BLOCKS, ATTENTION_TILING))]
   if bad:                                  # fail before compiling anything
     parser.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
   for name in names:
@@ -464,7 +471,7 @@ def main():
   print("| variant | img/s (p10-p90) | MFU | memory GB | loss |")
   print("|---|---|---|---|---|")
   for name in names:
-    if "=" in name and not name.startswith(ATTENTION_TILING):   # a config override
+    if _is_override(name):                  # a config override for this row
       row = argparse.Namespace(**{**vars(args), "set": args.set + [name]})
       r = bench.run_case(model, objective, int(batch), row)
     else:

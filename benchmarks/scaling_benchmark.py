@@ -160,6 +160,9 @@ def main(argv=None):
                            "same card and settings) as the baseline: for meshes whose "
                            "compiles do not fit one sitting together with the baseline's")
   args = parser.parse_args(argv)
+  if args.baseline_img_s < 0:
+    parser.error(f"--baseline_img_s must be positive (or 0 to measure the baseline), "
+                 f"got {args.baseline_img_s}")
 
   devices = jax.local_devices()
   config = make_config(args)
@@ -168,8 +171,6 @@ def main(argv=None):
         f"images/device, dtype {config.model.dtype}, attention {config.model.attention_impl}, "
         f"remat {config.model.remat}")
   step = Step(config)
-  if args.baseline_img_s < 0:
-    parser.error(f"--baseline_img_s must be positive, got {args.baseline_img_s}")
   if args.baseline_img_s:
     rows = [dict(mode="1 device (given)", devices=1, global_batch=args.per_device_batch,
                  img_s=args.baseline_img_s, step_ms=1000 * args.per_device_batch

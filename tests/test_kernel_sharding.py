@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -93,7 +92,7 @@ def _subprocess_main(run_options: dict):
 def _check_arguments(mesh):
   """over_batch's arguments as the model passes them: None (no qkv bias), a
   tuple (RoPE's table pair); outputs a tuple (a norm's sum and LN)."""
-  from jax.sharding import NamedSharding
+  from darl_jax import sharding as sharding_lib
   from darl_jax.train import loop
 
   def fn(x, bias, tables):
@@ -101,7 +100,7 @@ def _check_arguments(mesh):
     cos, sin = tables
     return x * cos[0], x + sin[0]
 
-  x = jax.device_put(jnp.arange(12.0).reshape(4, 3), NamedSharding(mesh, P(("data", "fsdp"))))
+  x = jax.device_put(jnp.arange(12.0).reshape(4, 3), sharding_lib.batch_sharding(mesh))
   step = loop.on_mesh(lambda x, t: per_shard.over_batch(fn, x, None, t,
                                                         batched=(True, False, False)), mesh)
   out = jax.jit(step)(x, (jnp.full((1,), 2.0), jnp.full((1,), 1.0)))
@@ -110,10 +109,9 @@ def _check_arguments(mesh):
 
 
 def _check_mesh(mesh, params, args, run_options):
-  from jax.sharding import NamedSharding
   from darl_jax import sharding as sharding_lib
   from darl_jax.train import loop
-  batch = NamedSharding(mesh, P(("data", "fsdp")))
+  batch = sharding_lib.batch_sharding(mesh)
   placed = [jax.device_put(a, batch) for a in args]
   # parameters as the loop lays them out: split over fsdp by its rules
   params = jax.device_put(params, sharding_lib.tree_shardings(

@@ -19,10 +19,10 @@ device's kernels see only its own images:
 The mesh comes from the trace's context: ``jax.sharding.use_abstract_mesh``,
 which the training loop and the evaluation step set (loop.make_train_step's
 ``mesh``). Without one, or with a single device on the batch axes, the
-function runs as it is. A ``tensor`` axis of more than one device is not split: the
-kernels compute whole heads and whole MLP widths, so their parameters are
-gathered over it too and the tensor devices repeat the same work
-(sharding.kernel_mesh_warning says so).
+function runs as it is. A ``tensor`` axis of more than one device is not
+split: the kernels compute whole heads and whole MLP widths, so their
+parameters are gathered over it too and the tensor devices repeat the same
+work (sharding.kernel_mesh_warning says so).
 
 The kernels' shape checks (``fits``) must see the per-device shapes: use
 ``local`` on the batched operands before checking.
