@@ -47,6 +47,11 @@ session"); a new XLA may change that, which is why they are kept runnable:
   branch bias's gradient in ``add_bias_layer_norm`` as it was until the
   fourteenth session, XLA's row sum over the norm's input gradient, instead
   of a third column sum in the backward kernel.
+- ``iota_mask`` (with ``model.attention_impl=hopper``): the attention
+  kernels' block-diagonal causal mask as it was until the eighteenth
+  session, built from two-dimensional row and column indices (the image
+  start and two compares per score element), instead of one unsigned
+  compare against per-row bounds. The same mask (tests/test_benchmarks.py).
 
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an
@@ -358,6 +363,19 @@ def _xla_sum_add_bias_layer_norm():
   return add_bias_layer_norm
 
 
+# ------------------------------------------------------------ the attention mask
+
+
+def iota_mask(q0, k0, seg, transposed, ops):
+  """hopper_attention._mask as it was until the eighteenth session."""
+  shape = (hopper_attention.BLOCK, hopper_attention.BLOCK)
+  qr = q0 + ops.iota(shape, 1 if transposed else 0)
+  kr = k0 + ops.iota(shape, 0 if transposed else 1)
+  first = q0 // seg * seg
+  start = jnp.where(qr >= first + seg, first + seg, first)
+  return (kr <= qr) & (kr >= start)
+
+
 # ------------------------------------------------------------ the step
 
 
@@ -390,6 +408,7 @@ VARIANTS = {
     "param_norm_in_step": [(loop, "make_train_step", _with_param_norm(loop.make_train_step))],
     "branch_bias_sum_in_xla": [(layer_norm, "add_bias_layer_norm",
                                 _xla_sum_add_bias_layer_norm())],
+    "iota_mask": [(hopper_attention, "_mask", iota_mask)],
 }
 
 
@@ -425,7 +444,21 @@ def parse_attention_tiling(text: str):
 
 @contextlib.contextmanager
 def variant(name: str):
-  """Patches the model for one variant while the block runs."""
+  """Patches the model for one variant while the block runs.
+
+  jax's caches are cleared on the way in and out: a function under its own
+  ``jax.jit`` (the attention kernels' ``_dkv_into``) keeps the trace of its
+  first call, which would otherwise hide a patch of what it calls."""
+  jax.clear_caches()
+  try:
+    with _patched(name):
+      yield
+  finally:
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def _patched(name: str):
   if name.startswith(LN_BLOCKS):
     from layer_norm_bench import parse_blocks
     with mock.patch.object(layer_norm, "DEFAULT_BLOCKS", parse_blocks(name[len(LN_BLOCKS):])), \

@@ -363,6 +363,26 @@ def test_tile_spans_cover_exactly_the_tiles_with_unmasked_pairs(seg):
     assert list(range(first, first + n)) == list(np.flatnonzero(per_tile[:, i])), (i, seg)
 
 
+@pytest.mark.parametrize("seg", [64, 80, 100, 196, 256])
+def test_tile_masks_are_the_block_diagonal_causal_mask(seg):
+  """_mask for every streamed tile pair, as the kernels lay it out (keys on
+  the rows for dK/dV), against the flat mask by brute force: same image and
+  key <= query. Covers pairs whose tiles straddle two images."""
+  images = 64 * 3 // np.gcd(seg, 64) if seg % 64 else 3
+  rows = images * seg
+  r = np.arange(rows)
+  allowed = (r[None, :] <= r[:, None]) & (r[None, :] // seg == r[:, None] // seg)
+  ops = ha._Ops(interpret=True)
+  for i in range(rows // ha.BLOCK):
+    lo, n = ha._q_span(i, seg)
+    for c in range(lo, lo + n):
+      want = allowed[i * ha.BLOCK:(i + 1) * ha.BLOCK, c * ha.BLOCK:(c + 1) * ha.BLOCK]
+      got = ha._mask(jnp.int32(i * ha.BLOCK), jnp.int32(c * ha.BLOCK), seg, False, ops)
+      np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{seg} {i} {c}")
+      got_t = ha._mask(jnp.int32(i * ha.BLOCK), jnp.int32(c * ha.BLOCK), seg, True, ops)
+      np.testing.assert_array_equal(np.asarray(got_t), want.T, err_msg=f"{seg} {i} {c} T")
+
+
 def test_shapes_the_kernels_cannot_take_name_the_fix():
   q = jnp.zeros((3, 80, 2, 64), jnp.bfloat16)    # 240 rows: not whole tiles
   with pytest.raises(ValueError, match="batch x tokens = 240 .*attention_impl='cudnn'"):

@@ -108,6 +108,38 @@ def test_branch_bias_variant_is_the_triton_norms_function():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_iota_mask_variant_is_the_kernels_mask():
+  """``iota_mask`` (the attention mask's earlier form) gives the kernels'
+  mask for every tile pair, both layouts, images straddling tiles."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import lever_ab
+  from darl_jax.kernels import hopper_attention as ha
+  ops = ha._Ops(interpret=True)
+  for seg in (80, 196):
+    for i in range(2 * seg // ha.BLOCK):
+      lo, n = ha._q_span(i, seg)
+      for c in range(lo, lo + n):
+        for transposed in (False, True):
+          args = (jnp.int32(i * ha.BLOCK), jnp.int32(c * ha.BLOCK), seg, transposed, ops)
+          np.testing.assert_array_equal(np.asarray(lever_ab.iota_mask(*args)),
+                                        np.asarray(ha._mask(*args)))
+  # The variant reaches the backward's kernels too, though _dkv runs under
+  # a jax.jit of its own whose trace of an earlier call would hide the patch.
+  s = jax.ShapeDtypeStruct((4, 80, 1, 64), jnp.bfloat16)
+  grads = jax.grad(lambda q, k, v: ha.causal_attention(q, k, v).astype(jnp.float32).sum(),
+                   argnums=(0, 1, 2))
+  lower = lambda: jax.jit(grads).trace(s, s, s).lower(lowering_platforms=("cuda",)).as_text()
+  base = lower()
+  with lever_ab.variant("iota_mask"):
+    assert ha._mask is lever_ab.iota_mask
+    patched = lower()
+  assert patched != base
+  assert lower() == base
+
+
 def test_lever_ab_takes_config_overrides_as_variants():
   """A ``key=value`` variant is an A/B of a model option: its row runs with
   the override; unknown names still fail before anything compiles."""

@@ -197,18 +197,32 @@ def _max_span(span, tiles: int, seg: int) -> int:
   return max(span(i, seg)[1] for i in range(tiles))
 
 
-def _mask(q0, k0, seg: int, transposed: bool, iota):
+def _mask(q0, k0, seg: int, transposed: bool, ops: "_Ops"):
   """Which (query, key) pairs attend: same image and key <= query.
 
   ``q0``/``k0`` are the tiles' first flat rows; ``transposed`` puts keys on
   the rows (the dK/dV kernel works on S^T). A 64-row tile spans at most two
   images (T >= 64), so each query's image starts at one of two places.
+
+  Query q sees key k when ``start(q) <= k <= q``, that is when ``0 <= q - k
+  <= q - start(q)``: one unsigned compare of ``q - k`` against ``q -
+  start(q)`` (never negative). Everything that depends on the query alone
+  or the key alone is a vector along its tile dimension (2 or 16 values a
+  thread in the WGMMA layout), so each score element costs a subtract, a
+  compare and the caller's select. (The first form built the row and
+  column indices, the image start and two compares per element: about a
+  third of the backward's instructions, benchmarks/RESULTS.md, seventeenth
+  session.)
   """
-  qr = q0 + iota((BLOCK, BLOCK), 1 if transposed else 0)
-  kr = k0 + iota((BLOCK, BLOCK), 0 if transposed else 1)
+  q_dim, k_dim = (1, 0) if transposed else (0, 1)
+  q = q0 + ops.index(q_dim)
+  k = k0 + ops.index(k_dim)
   first = q0 // seg * seg
-  start = jnp.where(qr >= first + seg, first + seg, first)
-  return (kr <= qr) & (kr >= start)
+  start = jnp.where(q >= first + seg, first + seg, first)
+  shape = (BLOCK, BLOCK)
+  d = (lax.broadcast_in_dim(q, shape, [q_dim]) - lax.broadcast_in_dim(k, shape, [k_dim]))
+  bound = lax.broadcast_in_dim((q - start).astype(jnp.uint32), shape, [q_dim])
+  return d.astype(jnp.uint32) <= bound
 
 
 class _Ops:
@@ -225,6 +239,13 @@ class _Ops:
     if self.interpret:
       return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+  def index(self, dim):
+    """[64] int32, 0..63 along tile dimension ``dim`` (rows 0, columns 1)."""
+    if self.interpret:
+      return lax.iota(jnp.int32, BLOCK)
+    return plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(1 - dim))
 
   def zeros(self, shape):
     return self.cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -586,7 +607,7 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
       plgpu.barrier_wait(kv_bar.at[slot])
       s, = _products([_Mm(q_smem, k_smem.at[slot], b_t=True)], ops)
       s = s * (g.scale * _LOG2E)
-      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
+      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops)
       s = jnp.where(keep, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -678,7 +699,7 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
       s, dp = _products([_Mm(q_smem, k_smem.at[slot], b_t=True),
                          _Mm(do_smem, v_smem.at[slot], b_t=True)], ops)
       p = jnp.exp2(s * (g.scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
-      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops.iota)
+      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops)
       p = jnp.where(keep, p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta_rows, dp.shape, [0]))
       acc, = _products([_Mm(ds.astype(q_smem.dtype), k_smem.at[slot], acc=acc)], ops)
@@ -750,7 +771,7 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
                            _Mm(v_smem, do_smem.at[slot], b_t=True)], ops)
       pt = jnp.exp2(st * (g.scale * _LOG2E)
                     - lax.broadcast_in_dim(ops.cols(lse_smem.at[slot]), st.shape, [1]))
-      keep = _mask((first + j) * BLOCK, k0, seg, True, ops.iota)
+      keep = _mask((first + j) * BLOCK, k0, seg, True, ops)
       pt = jnp.where(keep, pt, 0.0)
       delta_cols = ops.cols(delta_smem.at[slot])
       dst = (pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))).astype(k_smem.dtype)
