@@ -51,7 +51,8 @@ session"); a new XLA may change that, which is why they are kept runnable:
   kernels' block-diagonal causal mask as it was until the eighteenth
   session, built from two-dimensional row and column indices (the image
   start and two compares per score element), instead of one unsigned
-  compare against per-row bounds. The same mask (tests/test_benchmarks.py).
+  compare of ``q - k`` against each query's bound ``q - start(q)``. The
+  same mask (tests/test_benchmarks.py).
 
 A variant written ``key=value`` is a config override for that row alone
 (``--variants=base,model.norm_impl=triton,base,model.norm_impl=triton``): an

@@ -223,7 +223,7 @@ def _mask(q0, k0, seg: int, transposed: bool, ops: "_Ops"):
   first = q0 // seg * seg
   start = jnp.where(q >= first + seg, first + seg, first)
   shape = (BLOCK, BLOCK)
-  d = (lax.broadcast_in_dim(q, shape, [q_dim]) - lax.broadcast_in_dim(k, shape, [k_dim]))
+  d = lax.broadcast_in_dim(q, shape, [q_dim]) - lax.broadcast_in_dim(k, shape, [k_dim])
   bound = lax.broadcast_in_dim((q - start).astype(jnp.uint32), shape, [q_dim])
   return d.astype(jnp.uint32) <= bound
 
