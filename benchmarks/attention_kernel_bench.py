@@ -20,6 +20,13 @@ cuDNN; the same then the kernels on separate q, k, v; and
 ``causal_attention_qkv`` (the kernels read the packed array and do RoPE's
 backward in their epilogues) with float32 and with bfloat16 RoPE tables.
 
+With ``--tilings`` it prints one table instead: ``causal_attention_qkv``
+(bias, bf16 RoPE tables) at each AttentionTiling, timed in alternating
+rounds so that the rows share the card's state, with each row's largest
+difference from the first row's output and gradients:
+
+    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=3/pipelined=dq+dkv
+
 A third table starts one step earlier, at the block's input ``x [B, T, W]``:
 XLA's qkv product then ``causal_attention_qkv``, against
 ``causal_attention_projected`` (the product our own kernel, the bias and
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -41,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from darl_jax.kernels import hopper_attention as ha  # noqa: E402
 from darl_jax.models import posenc  # noqa: E402
+import lever_ab  # noqa: E402
 from mlp_kernel_bench import rel_err, timed  # noqa: E402
 
 # tokens per image, heads, head_dim
@@ -73,6 +82,11 @@ def main():
   parser.add_argument("--slots", default="0,2,3",
                       help="comma-separated AttentionTiling.slots values to time")
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--tilings", default="",
+                      help="comma-separated AttentionTilings (lever_ab's attention_tiling "
+                           "fields, e.g. slots=3/pipelined=dq+dkv): only the tilings table")
+  parser.add_argument("--rounds", type=int, default=4,
+                      help="alternating timing rounds of the tilings table")
   args = parser.parse_args()
   b, t, h, d = args.shape
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
@@ -80,6 +94,11 @@ def main():
   ks = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
                  for kk in ks)
+  if args.tilings:
+    tilings = [lever_ab.parse_attention_tiling(text) for text in args.tilings.split(",")]
+    tilings_table(q, k, v, do, dict(zip(args.tilings.split(","), tilings)), args.iters,
+                  args.rounds)
+    return
 
   def plain(impl, dtype=None):
     def f(q, k, v):
@@ -168,6 +187,37 @@ def rope_table(q, k, v, do, iters: int):
     t_f = timed(jax.jit(f), qkv, iters=iters) * 1e3
     t_fb = timed(fwd_bwd(f), qkv, do, iters=iters) * 1e3
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
+
+
+def tilings_table(q, k, v, do, tilings, iters: int, rounds: int):
+  """causal_attention_qkv (bias, bf16 RoPE tables) at each tiling: the
+  error against float32, the largest difference from the first tiling,
+  and fwd+bwd ms, the median of ``rounds`` rounds that time every tiling
+  in turn (min-max of the rounds beside it)."""
+  b, t, h, d = q.shape
+  qkv = jnp.stack([q, k, v], axis=2)
+  bias = (0.3 * jax.random.normal(jax.random.key(2), (3, h, d))).astype(qkv.dtype)
+  angles = jax.random.uniform(jax.random.key(1), (t, d // 2), maxval=6.0)
+  rope = (jnp.cos(angles), jnp.sin(angles))
+  ref = fwd_bwd(lambda x: rotated(causal_xla, rope, jnp.float32)(x, bias))(qkv, do)
+  steps = {name: fwd_bwd(lambda x, tiling=tiling: ha.causal_attention_qkv(x, bias, rope, tiling))
+           for name, tiling in tilings.items()}
+  outs = {name: step(qkv, do) for name, step in steps.items()}
+  first = next(iter(outs.values()))
+  times = {name: [] for name in steps}
+  for _ in range(rounds):
+    for name, step in steps.items():
+      times[name].append(timed(step, qkv, do, iters=iters) * 1e3)
+  print("| tiling | max rel. error (out, dqkv) | max abs. diff. from the first row | "
+        "fwd+bwd ms (min-max of rounds) |")
+  print("|---|---|---|---|")
+  for name, got in outs.items():
+    errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
+    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - f.astype(jnp.float32))))
+               for a, f in zip(got, first))
+    ts = times[name]
+    print(f"| {name} | {errs} | {diff:.1e} | {statistics.median(ts):.4f} "
+          f"({min(ts):.4f}-{max(ts):.4f}) |")
 
 
 def projection_table(b: int, t: int, h: int, d: int, iters: int):
