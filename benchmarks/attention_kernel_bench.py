@@ -25,7 +25,7 @@ With ``--tilings`` it prints one table instead: ``causal_attention_qkv``
 rounds so that the rows share the card's state, with each row's largest
 difference from the first row's output and gradients:
 
-    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=3/pipelined=dq+dkv
+    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=3,slots=2/rope_tables=float32
 
 A third table starts one step earlier, at the block's input ``x [B, T, W]``:
 XLA's qkv product then ``causal_attention_qkv``, against
@@ -84,7 +84,7 @@ def main():
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--tilings", default="",
                       help="comma-separated AttentionTilings (lever_ab's attention_tiling "
-                           "fields, e.g. slots=3/pipelined=dq+dkv): only the tilings table")
+                           "fields, e.g. slots=3/rope_tables=float32): only the tilings table")
   parser.add_argument("--rounds", type=int, default=4,
                       help="alternating timing rounds of the tilings table")
   args = parser.parse_args()

@@ -63,8 +63,7 @@ layer_norm_bench.py's notation (``ln_blocks:4x2:4x4x1056`` is the backward
 kernel at every width, binary chunks). One written
 ``attention_tiling:<fields>`` runs the attention kernels
 (``model.attention_impl=hopper``) at that ``AttentionTiling``
-(``attention_tiling:slots=3/rope_tables=float32``,
-``attention_tiling:slots=3/pipelined=dq+dkv``).
+(``attention_tiling:slots=3/rope_tables=float32``).
 
 Parameter names and shapes stay those of the model (``ln_mlp_recompute``
 names its LayerNorm parameters ``norm2_scale`` / ``norm2_bias``).
@@ -425,19 +424,16 @@ def _is_override(name: str) -> bool:
 
 
 def parse_attention_tiling(text: str):
-  """``slots=3/rope_tables=float32/pipelined=dq+dkv`` (fields of
-  hopper_attention.AttentionTiling, ``/``-separated; ``pipelined`` takes
-  ``+``-separated kernel names) -> the tiling."""
+  """``slots=3/rope_tables=float32`` (fields of
+  hopper_attention.AttentionTiling, ``/``-separated) -> the tiling."""
   fields = {}
   for item in text.split("/"):
     key, _, value = item.partition("=")
-    if key not in ("slots", "rope_tables", "dq_from_ds", "pipelined"):
+    if key not in ("slots", "rope_tables", "dq_from_ds"):
       raise ValueError(f"unknown AttentionTiling field {key!r} in {text!r}; valid: slots, "
-                       f"rope_tables, dq_from_ds, pipelined")
+                       f"rope_tables, dq_from_ds")
     if key == "rope_tables":
       fields[key] = value
-    elif key == "pipelined":
-      fields[key] = tuple(name for name in value.split("+") if name)
     elif key == "dq_from_ds":
       if value.lower() not in ("1", "true", "0", "false"):
         raise ValueError(f"dq_from_ds takes true or false, got {value!r}")

@@ -248,29 +248,6 @@ def test_dq_from_stored_score_gradients_is_the_same_backward(with_bias, with_rop
     assert _rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("pipelined,head_dim,slots",
-                         [(("dq", "dkv"), 64, 3), (("dkv",), 80, 2), (("dq",), 64, 0)])
-def test_pipelined_backward_is_the_same_backward(pipelined, head_dim, slots):
-  """AttentionTiling(pipelined=...): the next tile pair's score product
-  issued before this pair's softmax, its scores carried to the next step.
-  The same arithmetic in the same order, so the same output and gradients
-  to the bit (bias sums included); 320 rows of 80-token images, so CTAs
-  stream 1 to 3 tiles (the last step's scores are dropped)."""
-  keys = jax.random.split(jax.random.key(12), 4)
-  qkv = jax.random.normal(keys[0], (B, T, 3, H, head_dim)).astype(jnp.bfloat16)
-  do = jax.random.normal(keys[1], (B, T, H, head_dim)).astype(jnp.bfloat16)
-  bias = (0.3 * jax.random.normal(keys[3], (3, H, head_dim))).astype(jnp.bfloat16)
-  rope = _rope_tables(keys[2], T, head_dim)
-  runs = []
-  for tiling in (ha.AttentionTiling(slots), ha.AttentionTiling(slots, pipelined=pipelined)):
-    out, vjp = jax.vjp(lambda x, b: ha.causal_attention_qkv(x, b, rope, tiling, True), qkv, bias)
-    runs.append((out,) + vjp(do))
-  for got, want in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[0])):
-    np.testing.assert_array_equal(got, want)
-  with pytest.raises(ValueError, match="valid: dq, dkv"):
-    ha.AttentionTiling(pipelined=("fwd",))
-
-
 def _projected_inputs(key, b, t, heads, width):
   ks = jax.random.split(key, 5)
   x = jax.random.normal(ks[0], (b, t, width)).astype(jnp.bfloat16)

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -325,3 +327,26 @@ def test_scaling_benchmark_on_two_cpu_devices():
   fsdp = given[1]   # devices, global batch, img/s, step ms, efficiency = img/s / (2 x 1000)
   assert fsdp[1:3] == ["2", "8"] and float(fsdp[5].rstrip("%")) == pytest.approx(
       float(fsdp[3]) / 2000 * 100, abs=0.06)
+
+
+def test_attention_kernel_bench_tilings_table(monkeypatch, capsys):
+  """``--tilings``: one row per AttentionTiling with its error against
+  float32 and its largest difference from the first row (tilings that only
+  move tiles through shared memory differently give the same numbers), and
+  alternating timing rounds. Run here on the interpreter, at a tiny shape."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import attention_kernel_bench as bench
+  from darl_jax.kernels import hopper_attention as ha
+  kernel = ha.causal_attention_qkv
+  monkeypatch.setattr(ha, "causal_attention_qkv",
+                      lambda x, bias, rope, tiling: kernel(x, bias, rope, tiling, True))
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(key, (2, 64, 1, 64)).astype(jnp.bfloat16) for key in keys)
+  tilings = {"slots=2": ha.AttentionTiling(2), "slots=0": ha.AttentionTiling(0)}
+  bench.tilings_table(q, k, v, do, tilings, iters=1, rounds=2)
+  rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+  assert [row[0] for row in rows] == ["| slots=2", "| slots=0"]
+  for row in rows:
+    assert all(float(e) < 1e-2 for e in row[1].split(", "))   # out, dqkv vs float32
+    assert float(row[2]) == 0.0
+    assert float(row[3].split(" ")[0]) > 0

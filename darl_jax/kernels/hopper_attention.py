@@ -47,7 +47,10 @@ schedulers issue about a third of the time. The block-diagonal mask is
 about a third of a step's instructions (12% of the backward's time). Not
 the cause, measured: CTAs taking several heads one after another, so that
 prologue copies and epilogue stores overlap the next head's work (within 3%
-either way), and fewer products per pair (dq_from_ds, above).
+either way), fewer products per pair (dq_from_ds, above), and the next
+pair's score product issued before this pair's softmax in dQ and dK/dV
+(FlashAttention-3's overlap within a warpgroup; 2-5% slower at ViT-L/16,
+nineteenth session).
 
 Three entry points wrap them with a custom gradient:
 
@@ -136,20 +139,6 @@ class AttentionTiling:
   slots: int = 2
   rope_tables: str = "bfloat16"
   dq_from_ds: bool = False
-  pipelined: tuple = ()
-
-  def __post_init__(self):
-    unknown = set(self.pipelined) - set(PIPELINED_KERNELS)
-    if unknown:
-      raise ValueError(f"AttentionTiling.pipelined: unknown kernels {sorted(unknown)}; "
-                       f"valid: {', '.join(PIPELINED_KERNELS)}")
-
-
-# The kernels AttentionTiling.pipelined can name: each then issues the next
-# tile pair's score product before this pair's softmax (_scheduled), so the
-# tensor cores work while the softmax's arithmetic runs, for one more
-# float32 64 x 64 tile of registers (32 a thread).
-PIPELINED_KERNELS = ("dq", "dkv")
 
 
 # slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
@@ -298,52 +287,25 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
   products; the products themselves are checked on the GPU
   (benchmarks/attention_kernel_bench.py, pretrain_benchmark.py --check).
   """
-  def schedule(issue, _):
-    for i in range(len(mms)):
-      issue(i)
-  return _scheduled(mms, schedule, ops)
-
-
-def _scheduled(mms: Sequence[_Mm], schedule, ops: "_Ops"):
-  """Products issued and awaited where ``schedule(issue, result)`` says:
-  ``issue(i, a=None)`` starts product i (``a``: its register A operand,
-  when it is computed only inside the schedule), ``result(i, in_flight)``
-  is its value once at most ``in_flight`` of the products issued after it
-  are still running. -> every product's final value (all awaited).
-  Arithmetic the schedule does between an issue and a result runs while
-  the tensor cores work. The interpreter computes each product when it is
-  issued (see _products)."""
-  def operands(mm, a):
-    return mm.a if a is None else a, mm.b
+  def rows_cols(mm):
+    b_shape = mm.b.shape
+    return mm.a.shape[1 if mm.a_t else 0], b_shape[0] if mm.b_t else b_shape[1]
 
   if ops.interpret:
-    vals = [mm.acc for mm in mms]
-
-    def issue(i, a=None):
-      a, b = operands(mms[i], a)
-      a = a if isinstance(a, jax.Array) else a[...]
-      a = a.T if mms[i].a_t else a
-      b = b[...].T if mms[i].b_t else b[...]
+    outs = []
+    for mm in mms:
+      a = mm.a if isinstance(mm.a, jax.Array) else mm.a[...]
+      a = a.T if mm.a_t else a
+      b = mm.b[...].T if mm.b_t else mm.b[...]
       out = jnp.dot(a, b, preferred_element_type=jnp.float32)
-      vals[i] = out if vals[i] is None else vals[i] + out
-
-    schedule(issue, lambda i, in_flight: vals[i])
-    return vals
+      outs.append(out if mm.acc is None else mm.acc + out)
+    return outs
 
   def body(acc_refs):
-    def issue(i, a=None):
-      mm = mms[i]
-      a, b = operands(mm, a)
-      plgpu.wgmma(acc_refs[i], plgpu.transpose_ref(a, (1, 0)) if mm.a_t else a,
-                  plgpu.transpose_ref(b, (1, 0)) if mm.b_t else b)
-
-    def result(i, in_flight):
-      return plgpu.wgmma_accumulator_load(acc_refs[i], wait_n=in_flight)
-    schedule(issue, result)
-
-  def shape(mm):   # of a product without a running sum: its A operand is given
-    return mm.a.shape[1 if mm.a_t else 0], mm.b.shape[0 if mm.b_t else 1]
-  inits = tuple(plgpu.ACC.init(ops.zeros(shape(mm)) if mm.acc is None else mm.acc)
+    for mm, ref in zip(mms, acc_refs):
+      plgpu.wgmma(ref, plgpu.transpose_ref(mm.a, (1, 0)) if mm.a_t else mm.a,
+                  plgpu.transpose_ref(mm.b, (1, 0)) if mm.b_t else mm.b)
+  inits = tuple(plgpu.ACC.init(ops.zeros(rows_cols(mm)) if mm.acc is None else mm.acc)
                 for mm in mms)
   return list(pl.run_state(body)(inits))
 
@@ -474,23 +436,15 @@ def _fetcher(first, bar, tiles=(), vectors=()):
   return fetch
 
 
-def _stream(n, slots: int, fetch, step, carry, first=None):
+def _stream(n, slots: int, fetch, step, carry):
   """Run ``step(j, slot, carry)`` over streamed tiles ``j < n`` (dynamic),
   ``fetch(j, slot)`` issuing tile j's copies: the first ``slots`` up front,
   each later one into the slot its predecessor just freed. The caller's
   step waits on its slot's barrier; one warpgroup is both producer and sole
-  waiter, so a reused barrier's phases are seen in order. ``first(carry,
-  slot)``, if given, runs once the first copies are issued, with the first
-  tile's slot (a pipelined kernel's first score product), and returns the
-  loop's carry."""
+  waiter, so a reused barrier's phases are seen in order."""
   @pl.loop(0, jnp.minimum(n, slots))
   def _(j):
     fetch(j, j % slots)
-
-  if first is not None:
-    # slot 0 as a traced index (n >= 0): a literal index would become a
-    # constant output of the products' run_state, which Mosaic GPU rejects
-    carry = first(carry, jnp.minimum(n, 0))
 
   def body(j, carry):
     slot = j % slots
@@ -746,52 +700,18 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
     delta_rows = (o_tile * do_tile).sum(axis=1)
     delta_smem[...] = delta_rows
 
-    def probabilities(j, s):
-      p = jnp.exp2(s * (g.scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
-      return jnp.where(_mask(q0, (lo + j) * BLOCK, seg, False, ops), p, 0.0)
-
-    def score_gradient(p, dp):
-      ds = p * (dp - lax.broadcast_in_dim(delta_rows, dp.shape, [0]))
-      return ds.astype(q_smem.dtype)
-
     def step(j, slot, acc):
       plgpu.barrier_wait(kv_bar.at[slot])
       s, dp = _products([_Mm(q_smem, k_smem.at[slot], b_t=True),
                          _Mm(do_smem, v_smem.at[slot], b_t=True)], ops)
-      ds = score_gradient(probabilities(j, s), dp)
-      acc, = _products([_Mm(ds, k_smem.at[slot], acc=acc)], ops)
+      p = jnp.exp2(s * (g.scale * _LOG2E) - lax.broadcast_in_dim(lse_rows, s.shape, [0]))
+      keep = _mask(q0, (lo + j) * BLOCK, seg, False, ops)
+      p = jnp.where(keep, p, 0.0)
+      ds = p * (dp - lax.broadcast_in_dim(delta_rows, dp.shape, [0]))
+      acc, = _products([_Mm(ds.astype(q_smem.dtype), k_smem.at[slot], acc=acc)], ops)
       return acc
 
-    def first_scores(acc, slot):    # pipelined: the first pair's S before the loop
-      plgpu.barrier_wait(kv_bar.at[slot])
-      s, = _products([_Mm(q_smem, k_smem.at[slot], b_t=True)], ops)
-      return acc, s
-
-    def pipelined_step(j, slot, carry):
-      """Pair j's scores came from the previous step; this one issues pair
-      j + 1's (pair j's again at the last, whose slot holds no next tile)."""
-      acc, s = carry
-      nslot = jnp.minimum(j + 1, n - 1) % g.slots
-
-      @pl.when(j + 1 < n)
-      def _():
-        plgpu.barrier_wait(kv_bar.at[nslot])
-
-      def schedule(issue, result):
-        issue(0)                                    # dP
-        issue(1)                                    # the next pair's S
-        p = probabilities(j, s)
-        issue(2, score_gradient(p, result(0, in_flight=1)))   # dQ += dS K
-      _, s_next, acc = _scheduled([_Mm(do_smem, v_smem.at[slot], b_t=True),
-                                   _Mm(q_smem, k_smem.at[nslot], b_t=True),
-                                   _Mm(None, k_smem.at[slot], acc=acc)], schedule, ops)
-      return acc, s_next
-
-    zeros = ops.zeros((BLOCK, g.d))
-    if "dq" in tiling.pipelined:
-      acc, _ = _stream(n, g.slots, fetch, pipelined_step, zeros, first_scores)
-    else:
-      acc = _stream(n, g.slots, fetch, step, zeros)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
     copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, q_smem,
                          rope_smem, ops)
     _copy_out(copies + [(delta_smem, delta_ref.at[h, rows])],
@@ -850,22 +770,17 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
                      vectors=((lse_ref, h, lse_smem), (delta_ref, h, delta_smem)))
     plgpu.barrier_wait(held_bar.at[0])
 
-    def probabilities(j, slot, st):
-      pt = jnp.exp2(st * (g.scale * _LOG2E)
-                    - lax.broadcast_in_dim(ops.cols(lse_smem.at[slot]), st.shape, [1]))
-      return jnp.where(_mask((first + j) * BLOCK, k0, seg, True, ops), pt, 0.0)
-
-    def score_gradient(slot, pt, dpt):
-      delta_cols = ops.cols(delta_smem.at[slot])
-      return (pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))).astype(k_smem.dtype)
-
     def step(j, slot, carry):
       dk, dv = carry
       plgpu.barrier_wait(q_bar.at[slot])
       st, dpt = _products([_Mm(k_smem, q_smem.at[slot], b_t=True),
                            _Mm(v_smem, do_smem.at[slot], b_t=True)], ops)
-      pt = probabilities(j, slot, st)
-      dst = score_gradient(slot, pt, dpt)
+      pt = jnp.exp2(st * (g.scale * _LOG2E)
+                    - lax.broadcast_in_dim(ops.cols(lse_smem.at[slot]), st.shape, [1]))
+      keep = _mask((first + j) * BLOCK, k0, seg, True, ops)
+      pt = jnp.where(keep, pt, 0.0)
+      delta_cols = ops.cols(delta_smem.at[slot])
+      dst = (pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))).astype(k_smem.dtype)
       if store_ds:
         # one staging tile: the previous pair's store has read it by now
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -876,37 +791,8 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
                           _Mm(pt.astype(k_smem.dtype), do_smem.at[slot], acc=dv)], ops)
       return dk, dv
 
-    def first_scores(carry, slot):   # pipelined: the first pair's S^T before the loop
-      plgpu.barrier_wait(q_bar.at[slot])
-      st, = _products([_Mm(k_smem, q_smem.at[slot], b_t=True)], ops)
-      return carry + (st,)
-
-    def pipelined_step(j, slot, carry):
-      """As _dq's pipelined_step: pair j's S^T came from the previous step."""
-      dk, dv, st = carry
-      nslot = jnp.minimum(j + 1, n - 1) % g.slots
-
-      @pl.when(j + 1 < n)
-      def _():
-        plgpu.barrier_wait(q_bar.at[nslot])
-
-      def schedule(issue, result):
-        issue(0)                                    # dP^T
-        issue(1)                                    # the next pair's S^T
-        pt = probabilities(j, slot, st)
-        issue(2, pt.astype(k_smem.dtype))           # dV += P^T dO
-        issue(3, score_gradient(slot, pt, result(0, in_flight=2)))   # dK += dS^T Q
-      _, st_next, dv, dk = _scheduled([_Mm(v_smem, do_smem.at[slot], b_t=True),
-                                       _Mm(k_smem, q_smem.at[nslot], b_t=True),
-                                       _Mm(None, do_smem.at[slot], acc=dv),
-                                       _Mm(None, q_smem.at[slot], acc=dk)], schedule, ops)
-      return dk, dv, st_next
-
     zeros = ops.zeros((BLOCK, g.d))
-    if "dkv" in tiling.pipelined and not store_ds:
-      dk, dv, _ = _stream(n, g.slots, fetch, pipelined_step, (zeros, zeros), first_scores)
-    else:
-      dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
+    dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
     # dK's pieces (k_smem, or the halves with RoPE) and dV's (v_smem) are
     # different buffers: both stay staged until the copies and sums are done.
     dk_pieces = _stage_grad(dk * g.scale, dqkv_ref, rows, g.heads + h, k_smem,
