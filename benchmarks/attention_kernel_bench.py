@@ -153,13 +153,19 @@ def causal_xla(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def rope_table(q, k, v, do, iters: int):
-  """The second table: packed projection + RoPE -> output and its gradient."""
-  b, t, h, d = q.shape
+def packed_inputs(q, k, v):
+  """-> (the packed projection ``[B, T, 3, H, D]``, a bf16 qkv bias, RoPE
+  tables ``[T, D/2]``) for the tables that start from the projection."""
+  _, t, h, d = q.shape
   qkv = jnp.stack([q, k, v], axis=2)
   bias = (0.3 * jax.random.normal(jax.random.key(2), (3, h, d))).astype(qkv.dtype)
   angles = jax.random.uniform(jax.random.key(1), (t, d // 2), maxval=6.0)
-  rope = (jnp.cos(angles), jnp.sin(angles))
+  return qkv, bias, (jnp.cos(angles), jnp.sin(angles))
+
+
+def rope_table(q, k, v, do, iters: int):
+  """The second table: packed projection + RoPE -> output and its gradient."""
+  qkv, bias, rope = packed_inputs(q, k, v)
   with_bias = lambda f: lambda qkv: f(qkv, bias)  # noqa: E731
 
   def cudnn(q, k, v):
@@ -194,11 +200,7 @@ def tilings_table(q, k, v, do, tilings, iters: int, rounds: int):
   error against float32, the largest difference from the first tiling,
   and fwd+bwd ms, the median of ``rounds`` rounds that time every tiling
   in turn (min-max of the rounds beside it)."""
-  b, t, h, d = q.shape
-  qkv = jnp.stack([q, k, v], axis=2)
-  bias = (0.3 * jax.random.normal(jax.random.key(2), (3, h, d))).astype(qkv.dtype)
-  angles = jax.random.uniform(jax.random.key(1), (t, d // 2), maxval=6.0)
-  rope = (jnp.cos(angles), jnp.sin(angles))
+  qkv, bias, rope = packed_inputs(q, k, v)
   ref = fwd_bwd(lambda x: rotated(causal_xla, rope, jnp.float32)(x, bias))(qkv, do)
   steps = {name: fwd_bwd(lambda x, tiling=tiling: ha.causal_attention_qkv(x, bias, rope, tiling))
            for name, tiling in tilings.items()}

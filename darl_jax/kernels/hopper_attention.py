@@ -50,7 +50,9 @@ prologue copies and epilogue stores overlap the next head's work (within 3%
 either way), fewer products per pair (dq_from_ds, above), and the next
 pair's score product issued before this pair's softmax in dQ and dK/dV
 (FlashAttention-3's overlap within a warpgroup; 2-5% slower at ViT-L/16,
-nineteenth session).
+nineteenth session). Nor are the streamed tiles' copies: with every CTA
+reusing its first tiles instead of refilling its slots (wrong numbers,
+the same arithmetic) the layer took the same time.
 
 Three entry points wrap them with a custom gradient:
 
