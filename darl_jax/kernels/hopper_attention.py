@@ -35,15 +35,18 @@ per pair. Measured at ViT-L/16, it is within 0.04 ms a layer of this one,
 either way by input, so it stays off; benchmarks/RESULTS.md, sixteenth
 session.) Probabilities and score gradients stay in registers as the next
 product's A operand, and independent products are issued together (one
-wait). With 2 slots (the default) a CTA needs under 60 KB of shared memory
-at head dim 64, so several share a multiprocessor and hide each other's
-latencies.
+wait). With 2 slots (the default) and RoPE at head dim 64, Nsight Compute
+counts 72 KB of shared memory a CTA for dQ (after O's tile and dQ's staging
+halves were made one union) and 71 KB for dK/dV; the forward's tiles come to
+about 41 KB. So several CTAs share a multiprocessor and hide each other's
+latencies: three for dQ (148 registers; shared memory allows three too),
+two for dK/dV (181 registers) and four for the forward (108 registers).
 
-What limits the backward (benchmarks/RESULTS.md, sixteenth and seventeenth
+What limits the backward (benchmarks/RESULTS.md, sixteenth to nineteenth
 sessions): each tile pair is a dependent chain (score products, wait, mask
-and softmax, gradient products, wait), and dK/dV's 200-odd registers a
-thread leave two CTAs a multiprocessor to fill each other's gaps, so the
-schedulers issue about a third of the time. The block-diagonal mask is
+and softmax, gradient products, wait), and dK/dV's 181 registers a thread
+leave two CTAs a multiprocessor to fill each other's gaps; Nsight Compute
+finds no warp eligible in 54% of its cycles. The block-diagonal mask is
 about a third of a step's instructions (12% of the backward's time). Not
 the cause, measured: CTAs taking several heads one after another, so that
 prologue copies and epilogue stores overlap the next head's work (within 3%
@@ -665,6 +668,7 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
   ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
+  aliased = rope and not interpret    # O's tile shares memory with dQ's halves
 
   def body(*refs):
     q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *refs = refs
@@ -673,7 +677,11 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
     dqkv_ref, delta_ref, *refs = refs
     sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
     (q_smem, o_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, *refs) = refs
-    rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
+    held = nt if aliased else nt + 2     # the tables' rows (and dQ's halves)
+    rope_smem, refs = (refs[:held], refs[held:]) if rope else (None, refs)
+    if aliased:
+      o_smem, halves = o_smem
+      rope_smem = (*rope_smem, *halves)
     bias_smem, refs = (refs[0], refs[1:]) if biased else (None, refs)
     sums_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if sums else (None, refs)
     i, h = lax.axis_index("tile"), lax.axis_index("head")
@@ -720,9 +728,19 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
               functools.partial(_column_sums, [(copies, sums_ref.at[i, h])], sums_smem, ops)
               if sums else None)
 
-  scratch = [g.tile(), g.tile(), g.tile(), g.tile(slotted=True), g.tile(slotted=True),
+  # With RoPE, O's tile (read once, for delta, before the loop) and the two
+  # halves the rotated dQ is staged in (written after it) are one union in
+  # shared memory: 8 KB less a CTA at head dim 64, 72 instead of 80 KB, so
+  # that three CTAs fit a multiprocessor (228 KB) as its 148 registers
+  # allow; with O's own tile shared memory held it to two (Nsight Compute,
+  # nineteenth session). The GPU interpreter has no unions: separate tiles.
+  o_tile, rope_scratch = g.tile(), g.rope_scratch(tables) if rope else []
+  if aliased:
+    *rope_scratch, lo, hi = rope_scratch
+    o_tile = plgpu.RefUnion(o_tile, (lo, hi))
+  scratch = [g.tile(), o_tile, g.tile(), g.tile(slotted=True), g.tile(slotted=True),
              g.vector(), g.vector()]
-  scratch += g.rope_scratch(tables) if rope else []
+  scratch += rope_scratch
   scratch += [g.bias()] if biased else []
   scratch += [g.sums(1)] if sums else []
   scratch += [plgpu.Barrier(num_arrivals=4 + nt + biased, num_barriers=1),
