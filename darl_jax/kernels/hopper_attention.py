@@ -46,9 +46,12 @@ What limits the backward (benchmarks/RESULTS.md, sixteenth to nineteenth
 sessions): each tile pair is a dependent chain (score products, wait, mask
 and softmax, gradient products, wait), and dK/dV's 181 registers a thread
 leave two CTAs a multiprocessor to fill each other's gaps; Nsight Compute
-finds no warp eligible in 54% of its cycles. The block-diagonal mask is
-about a third of a step's instructions (12% of the backward's time). Not
-the cause, measured: CTAs taking several heads one after another, so that
+finds no warp eligible in 54% of its cycles, the warps waiting mostly on
+scoreboards and on warpgroup barriers (a fifth of the stalls, most of them
+Pallas's automatic ones around copies: AttentionTiling.explicit_barriers)
+and hardly on the tensor cores. The block-diagonal mask is about a third
+of a step's instructions (12% of the backward's time). Not the cause,
+measured: CTAs taking several heads one after another, so that
 prologue copies and epilogue stores overlap the next head's work (within 3%
 either way), fewer products per pair (dq_from_ds, above), and the next
 pair's score product issued before this pair's softmax in dQ and dK/dV
