@@ -23,7 +23,8 @@ backward in their epilogues) with float32 and with bfloat16 RoPE tables.
 With ``--tilings`` it prints one table instead: ``causal_attention_qkv``
 (bias, bf16 RoPE tables) at each AttentionTiling, timed in alternating
 rounds so that the rows share the card's state, with each row's largest
-difference from the first row's output and gradients:
+difference from the first row's output and gradients and whether more
+runs give the same bits (a race between a CTA's warps would not):
 
     python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=3,slots=2/rope_tables=float32
 
@@ -87,6 +88,8 @@ def main():
                            "fields, e.g. slots=3/rope_tables=float32): only the tilings table")
   parser.add_argument("--rounds", type=int, default=4,
                       help="alternating timing rounds of the tilings table")
+  parser.add_argument("--reruns", type=int, default=10,
+                      help="runs of each tiling checked for the same bits (tilings table)")
   args = parser.parse_args()
   b, t, h, d = args.shape
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
@@ -97,7 +100,7 @@ def main():
   if args.tilings:
     tilings = [lever_ab.parse_attention_tiling(text) for text in args.tilings.split(",")]
     tilings_table(q, k, v, do, dict(zip(args.tilings.split(","), tilings)), args.iters,
-                  args.rounds)
+                  args.rounds, args.reruns)
     return
 
   def plain(impl, dtype=None):
@@ -195,31 +198,37 @@ def rope_table(q, k, v, do, iters: int):
     print(f"| {name} | {errs} | {t_f:.3f} | {t_fb:.3f} |")
 
 
-def tilings_table(q, k, v, do, tilings, iters: int, rounds: int):
+def tilings_table(q, k, v, do, tilings, iters: int, rounds: int, reruns: int = 10):
   """causal_attention_qkv (bias, bf16 RoPE tables) at each tiling: the
   error against float32, the largest difference from the first tiling,
-  and fwd+bwd ms, the median of ``rounds`` rounds that time every tiling
-  in turn (min-max of the rounds beside it)."""
+  whether ``reruns`` more runs give the same bits, and fwd+bwd ms, the
+  median of ``rounds`` rounds that time every tiling in turn (min-max of
+  the rounds beside it)."""
   qkv, bias, rope = packed_inputs(q, k, v)
   ref = fwd_bwd(lambda x: rotated(causal_xla, rope, jnp.float32)(x, bias))(qkv, do)
   steps = {name: fwd_bwd(lambda x, tiling=tiling: ha.causal_attention_qkv(x, bias, rope, tiling))
            for name, tiling in tilings.items()}
   outs = {name: step(qkv, do) for name, step in steps.items()}
   first = next(iter(outs.values()))
+  # the same bits on every run: a misplaced barrier (a race between the
+  # warps of a CTA) shows as outputs that change from run to run
+  stable = {name: all(all(bool(jnp.array_equal(a, b)) for a, b in zip(step(qkv, do), outs[name]))
+                      for _ in range(reruns))
+            for name, step in steps.items()}
   times = {name: [] for name in steps}
   for _ in range(rounds):
     for name, step in steps.items():
       times[name].append(timed(step, qkv, do, iters=iters) * 1e3)
-  print("| tiling | max rel. error (out, dqkv) | max abs. diff. from the first row | "
-        "fwd+bwd ms (min-max of rounds) |")
-  print("|---|---|---|---|")
+  print(f"| tiling | max rel. error (out, dqkv) | max abs. diff. from the first row | "
+        f"same bits in {reruns} more runs | fwd+bwd ms (min-max of rounds) |")
+  print("|---|---|---|---|---|")
   for name, got in outs.items():
     errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
     diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - f.astype(jnp.float32))))
                for a, f in zip(got, first))
     ts = times[name]
-    print(f"| {name} | {errs} | {diff:.1e} | {statistics.median(ts):.4f} "
-          f"({min(ts):.4f}-{max(ts):.4f}) |")
+    print(f"| {name} | {errs} | {diff:.1e} | {'yes' if stable[name] else 'NO'} | "
+          f"{statistics.median(ts):.4f} ({min(ts):.4f}-{max(ts):.4f}) |")
 
 
 def projection_table(b: int, t: int, h: int, d: int, iters: int):
