@@ -98,9 +98,8 @@ def main():
   q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
                  for kk in ks)
   if args.tilings:
-    tilings = [lever_ab.parse_attention_tiling(text) for text in args.tilings.split(",")]
-    tilings_table(q, k, v, do, dict(zip(args.tilings.split(","), tilings)), args.iters,
-                  args.rounds, args.reruns)
+    tilings = {text: lever_ab.parse_attention_tiling(text) for text in args.tilings.split(",")}
+    tilings_table(q, k, v, do, tilings, args.iters, args.rounds, args.reruns)
     return
 
   def plain(impl, dtype=None):

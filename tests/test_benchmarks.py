@@ -333,9 +333,10 @@ def test_scaling_benchmark_on_two_cpu_devices():
 
 def test_attention_kernel_bench_tilings_table(monkeypatch, capsys):
   """``--tilings``: one row per AttentionTiling with its error against
-  float32 and its largest difference from the first row (tilings that only
-  move tiles through shared memory differently give the same numbers), and
-  alternating timing rounds. Run here on the interpreter, at a tiny shape."""
+  float32, its largest difference from the first row (tilings that only
+  move tiles through shared memory differently give the same numbers),
+  whether reruns give the same bits, and alternating timing rounds. Run
+  here on the interpreter, at a tiny shape."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import attention_kernel_bench as bench
   from darl_jax.kernels import hopper_attention as ha
