@@ -429,14 +429,14 @@ def parse_attention_tiling(text: str):
   fields = {}
   for item in text.split("/"):
     key, _, value = item.partition("=")
-    if key not in ("slots", "rope_tables", "dq_from_ds", "explicit_barriers"):
+    if key not in ("slots", "rope_tables", "dq_from_ds"):
       raise ValueError(f"unknown AttentionTiling field {key!r} in {text!r}; valid: slots, "
-                       f"rope_tables, dq_from_ds, explicit_barriers")
+                       f"rope_tables, dq_from_ds")
     if key == "rope_tables":
       fields[key] = value
-    elif key in ("dq_from_ds", "explicit_barriers"):
+    elif key == "dq_from_ds":
       if value.lower() not in ("1", "true", "0", "false"):
-        raise ValueError(f"{key} takes true or false, got {value!r}")
+        raise ValueError(f"dq_from_ds takes true or false, got {value!r}")
       fields[key] = value.lower() in ("1", "true")
     else:
       fields[key] = int(value)

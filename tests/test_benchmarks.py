@@ -168,8 +168,6 @@ def test_lever_ab_takes_attention_tilings_as_variants():
   assert ha.DEFAULT_ATTENTION_TILING == before
   with pytest.raises(ValueError, match="true or false"):
     lever_ab.parse_attention_tiling("dq_from_ds=yes")
-  assert lever_ab.parse_attention_tiling("explicit_barriers=true") == ha.AttentionTiling(
-      explicit_barriers=True)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lever_ab.py"),
                          "--variants=base,attention_tiling:stripes=2"],

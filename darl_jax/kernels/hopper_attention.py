@@ -47,18 +47,23 @@ sessions): each tile pair is a dependent chain (score products, wait, mask
 and softmax, gradient products, wait), and dK/dV's 181 registers a thread
 leave two CTAs a multiprocessor to fill each other's gaps; Nsight Compute
 finds no warp eligible in 54% of its cycles, the warps waiting mostly on
-scoreboards and on warpgroup barriers (a fifth of the stalls, most of them
-Pallas's automatic ones around copies: AttentionTiling.explicit_barriers)
-and hardly on the tensor cores. The block-diagonal mask is about a third
-of a step's instructions (12% of the backward's time). Not the cause,
-measured: CTAs taking several heads one after another, so that
-prologue copies and epilogue stores overlap the next head's work (within 3%
-either way), fewer products per pair (dq_from_ds, above), and the next
+scoreboards and on warpgroup barriers (a fifth of the stalls) and hardly
+on the tensor cores. The block-diagonal mask is about a third of a step's
+instructions (12% of the backward's time). Not the cause, measured: CTAs
+taking several heads one after another, so that prologue copies and
+epilogue stores overlap the next head's work (within 3% either way), fewer products per pair (dq_from_ds, above), and the next
 pair's score product issued before this pair's softmax in dQ and dK/dV
 (FlashAttention-3's overlap within a warpgroup; 2-5% slower at ViT-L/16,
 nineteenth session). Nor are the streamed tiles' copies: with every CTA
 reusing its first tiles instead of refilling its slots (wrong numbers,
-the same arithmetic) the layer took the same time.
+the same arithmetic) the layer took the same time. Nor Pallas's automatic
+warpgroup barriers (one before every copy into shared memory and around
+every store): compiled without them (``unsafe_no_auto_barriers``) and with
+the few the kernels need placed by hand, 60 barriers in the PTX became 18
+and the layer took the same time (0.8435 against 0.8468 ms at ViT-L/16,
+within the rounds' spread; twentieth session), so the barrier stalls are
+warps waiting for the slowest one of their warpgroup, not the barriers'
+own cost; that version is not kept.
 
 Three entry points wrap them with a custom gradient:
 
@@ -143,22 +148,10 @@ class AttentionTiling:
   transposed dS operand, and the default schedule runs. Off: at ViT-L/16,
   batch 256, the attention layer's forward + backward took 2.189 ms with it
   against 2.232 without (from the block's input), 0.835 against 0.817 on
-  plain q, k, v (H200): no gain the training step could show.
-
-  ``explicit_barriers``: compile the kernels without Pallas's automatic
-  warpgroup barriers and place the few they need (_Ops.all_reads_done).
-  By default Pallas puts a barrier before every copy into shared memory
-  and around every store to it: four a refill of dK/dV's slots, two of
-  dQ's and the forward's. Nsight Compute put a fifth of the backward
-  kernels' warp stalls at barriers (ViT-L/16, H200, nineteenth session).
-  Built and checked on CPU (the interpreter, the CUDA lowering), not yet
-  run on a GPU, so off until it is measured and checked there:
-
-      python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,explicit_barriers=true"""
+  plain q, k, v (H200): no gain the training step could show."""
   slots: int = 2
   rope_tables: str = "bfloat16"
   dq_from_ds: bool = False
-  explicit_barriers: bool = False
 
 
 # slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
@@ -255,20 +248,8 @@ class _Ops:
   """Layout-aware helpers; the GPU interpreter has no layouts and no
   Mosaic iota, so there they are plain jax."""
 
-  def __init__(self, interpret: bool, explicit_barriers: bool = False):
+  def __init__(self, interpret: bool):
     self.interpret = interpret
-    self.explicit_barriers = explicit_barriers
-
-  def all_reads_done(self):
-    """With ``explicit_barriers`` (see _Geometry.call), a warpgroup barrier
-    with the async proxy's fence: every warp has finished reading shared
-    memory that a copy or a store is about to overwrite. A product's reads
-    are done once any warp has waited for it (the warpgroup issues it as
-    one), so the barrier is for the vector reads (the log-sum-exp and
-    delta columns, O's tile) and for warps that run ahead into an
-    epilogue. Without the option Pallas's own barriers cover these."""
-    if self.explicit_barriers:
-      plgpu.commit_smem()
 
   def cast(self, x, layout):
     return x if self.interpret else plgpu.layout_cast(x, layout)
@@ -368,7 +349,6 @@ class _Geometry:
   slots: int
   dtype: object
   at: tuple   # head offsets of q, k, v
-  explicit_barriers: bool = False
 
   @classmethod
   def of(cls, v, at, seg: int, tiling: AttentionTiling, span):
@@ -379,7 +359,7 @@ class _Geometry:
     heads, *at = at
     longest = _max_span(span, rows // BLOCK, seg)
     return cls(rows, heads, d, min(tiling.slots, longest) if tiling.slots else longest,
-               v.dtype, tuple(at), tiling.explicit_barriers)
+               v.dtype, tuple(at))
 
   @property
   def scale(self) -> float:
@@ -445,25 +425,14 @@ class _Geometry:
   def call(self, name, body, *, inputs, out_type, scratch, interpret: bool):
     """``body(*input refs, *output refs, *scratch)`` on a (tile, head) grid.
     ``pl.kernel`` rather than ``plgpu.kernel``: it takes a ``jax.Ref`` input
-    (written in place, aliased in and out of the call), which _dkv needs.
-
-    With ``explicit_barriers`` (AttentionTiling), without Pallas's
-    automatic barriers: the kernels place the ones they need with
-    _Ops.all_reads_done, before a slot is refilled (_stream), before an
-    epilogue writes over tiles the warps read (_stage_grad, _forward) and
-    before a staging tile is rewritten while a store may read it (_dkv's
-    stored dS^T). Copies into fresh buffers, stores into buffers no other
-    thread reads, and reads of what a copy wrote (ordered by the copy's
-    barrier) need none; stores that a bulk copy takes out are ordered by
-    ``plgpu.commit_smem`` (_copy_out)."""
+    (written in place, aliased in and out of the call), which _dkv needs."""
     def entry(*refs):
       pl.run_scoped(lambda *s: body(*refs, *s), *scratch)
     return pl.kernel(
         entry, out_type=out_type,
         mesh=plgpu.Mesh(grid=(self.rows // BLOCK, self.heads), grid_names=("tile", "head")),
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
-            unsafe_no_auto_barriers=self.explicit_barriers),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=interpret_params(interpret), name=f"attention_{name}")(*inputs)
 
 
@@ -480,7 +449,7 @@ def _fetcher(first, bar, tiles=(), vectors=()):
   return fetch
 
 
-def _stream(n, slots: int, fetch, step, carry, ops: "_Ops"):
+def _stream(n, slots: int, fetch, step, carry):
   """Run ``step(j, slot, carry)`` over streamed tiles ``j < n`` (dynamic),
   ``fetch(j, slot)`` issuing tile j's copies: the first ``slots`` up front,
   each later one into the slot its predecessor just freed. The caller's
@@ -496,7 +465,6 @@ def _stream(n, slots: int, fetch, step, carry, ops: "_Ops"):
 
     @pl.when(j + slots < n)
     def _():
-      ops.all_reads_done()
       fetch(j + slots, slot)
     return carry
   return lax.fori_loop(0, n, body, carry)
@@ -522,7 +490,6 @@ def _stage_grad(x, gmem, rows, head, tile_smem, rope, ops: "_Ops"):
   x2 s, x2 c - x1 s)`` for halves x1, x2, which the WGMMA accumulator
   layout holds in the same threads, and the halves go out as two copies.
   """
-  ops.all_reads_done()
   if rope is None:
     tile_smem[...] = x.astype(tile_smem.dtype)
     return [(tile_smem, gmem.at[rows, head], 0)]
@@ -635,7 +602,7 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
   with no extra read. The backward then keeps this array instead of the
   packed projection (two thirds smaller)."""
   g = _Geometry.of(v, at, seg, tiling, _q_span)
-  ops = _Ops(interpret, g.explicit_barriers)
+  ops = _Ops(interpret)
   biased = v_bias is not None
 
   def body(*refs):
@@ -674,11 +641,10 @@ def _forward(q, k, v, v_bias, at, seg: int, tiling: AttentionTiling, interpret: 
     carry = (ops.zeros((BLOCK, g.d)),
              ops.cast(jnp.full((BLOCK,), _M_INIT, jnp.float32), row),
              ops.cast(jnp.zeros((BLOCK,), jnp.float32), row))
-    acc, m, l = _stream(n, g.slots, fetch, step, carry, ops)
+    acc, m, l = _stream(n, g.slots, fetch, step, carry)
     out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
     if biased:
       out = out + lax.broadcast_in_dim(ops.cols(bias_smem), out.shape, [1])
-    ops.all_reads_done()
     q_smem[...] = out.astype(q_smem.dtype)        # Q is no longer read
     lse_smem[...] = m + jnp.log2(l)
     copies = [(q_smem, o_ref.at[pl.ds(q0, BLOCK), h]),
@@ -707,7 +673,7 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
   is taken of O minus the bias."""
   biased = v_bias is not None
   g = _Geometry.of(v, at, seg, tiling, _q_span)
-  ops = _Ops(interpret, g.explicit_barriers)
+  ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
   aliased = rope and not interpret    # O's tile shares memory with dQ's halves
@@ -763,7 +729,7 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
       acc, = _products([_Mm(ds.astype(q_smem.dtype), k_smem.at[slot], acc=acc)], ops)
       return acc
 
-    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)), ops)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
     copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, q_smem,
                          rope_smem, ops)
     _copy_out(copies + [(delta_smem, delta_ref.at[h, rows])],
@@ -805,7 +771,7 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   last output is every tile pair's dS^T, ``[H, N / 64, span, 64, 64]``
   bf16: key tile c's pair with query tile c + j at ``[h, c, j]``."""
   g = _Geometry.of(v, at, seg, tiling, _kv_span)
-  ops = _Ops(interpret, g.explicit_barriers)
+  ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
   store_ds = grads is None
@@ -846,7 +812,6 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
       if store_ds:
         # one staging tile: the previous pair's store has read it by now
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        ops.all_reads_done()        # the storing thread's wait, for every thread
         ds_smem[...] = dst
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[h, c, j])
@@ -855,7 +820,7 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
       return dk, dv
 
     zeros = ops.zeros((BLOCK, g.d))
-    dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros), ops)
+    dk, dv = _stream(n, g.slots, fetch, step, (zeros, zeros))
     # dK's pieces (k_smem, or the halves with RoPE) and dV's (v_smem) are
     # different buffers: both stay staged until the copies and sums are done.
     dk_pieces = _stage_grad(dk * g.scale, dqkv_ref, rows, g.heads + h, k_smem,
@@ -894,7 +859,7 @@ def _dq_from_ds(k, ds, grads, tables, at, seg: int, tiling: AttentionTiling, int
   each (dS^T read transposed). -> with ``sums``, each tile's column sums of
   dQ, ``[N / 64, H, D]`` float32, else ()."""
   g = _Geometry.of(k, at, seg, tiling, _q_span)
-  ops = _Ops(interpret, g.explicit_barriers)
+  ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
 
@@ -923,7 +888,7 @@ def _dq_from_ds(k, ds, grads, tables, at, seg: int, tiling: AttentionTiling, int
       acc, = _products([_Mm(ds_smem.at[slot], k_smem.at[slot], acc=acc, a_t=True)], ops)
       return acc
 
-    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)), ops)
+    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
     if rope:
       plgpu.barrier_wait(held_bar.at[0])
     copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, out_smem, rope_smem, ops)
