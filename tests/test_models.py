@@ -418,36 +418,42 @@ def _dot_rows(jaxpr, cols: int) -> list:
   return rows
 
 
-@pytest.mark.parametrize("token,rope", [(1, False), (0, True), (2, True)])
-def test_readout_block_is_the_full_block_at_one_token(token, rope):
-  """Block(readout=r) is the full (non-causal) block's output at token r:
-  same parameters, values and gradients (inputs and parameters, under a
-  random readout), with and without RoPE; its MLP runs on that token only;
-  causal blocks refuse it."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (5, 3, 32))
-  tables = None
-  if rope:
-    angles = jax.random.uniform(jax.random.PRNGKey(1), (1, 3, 4), maxval=3.0)
-    tables = (jnp.cos(angles), jnp.sin(angles))
-  make = lambda r: vit.Block(4, 64, causal=False, readout=r)
-  params = make(None).init(jax.random.PRNGKey(2), x, tables)["params"]
-  assert (jax.tree.structure(make(token).init(jax.random.PRNGKey(2), x, tables)["params"])
-          == jax.tree.structure(params))
+@pytest.mark.parametrize("context_len,norm_impl", [(1, "xla"), (2, "xla"), (1, "triton")])
+def test_readout_block_is_the_full_block_at_the_last_token(context_len, norm_impl):
+  """ReadoutBlock(context, token) is the full (non-causal) Block over
+  ``[context, token]`` read at the last token: same parameter tree, values
+  and gradients (inputs and parameters, under a random readout), with
+  either norm (the triton one defers the biases into its kernels); its MLP
+  runs on the token alone."""
+  b, width = 5, 32
+  context = jax.random.normal(jax.random.PRNGKey(0), (b, context_len, width))
+  token = jax.random.normal(jax.random.PRNGKey(1), (b, 1, width))
+  kw = dict(num_heads=4, mlp_dim=64, norm_impl=norm_impl)
+  full, part = vit.Block(causal=False, **kw), vit.ReadoutBlock(**kw)
+  seq = jnp.concatenate([context, token], axis=1)
+  params = full.init(jax.random.PRNGKey(2), seq)["params"]
+  got_init = part.init(jax.random.PRNGKey(2), context, token)["params"]
+  assert jax.tree.structure(got_init) == jax.tree.structure(params)
+  assert jax.tree.map(jnp.shape, got_init) == jax.tree.map(jnp.shape, params)
   params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(3), p.shape),
                         params)   # biases and scales away from 0 and 1
-  w = jax.random.normal(jax.random.PRNGKey(4), (5, 1, 32))
-  full = lambda p, x: jnp.sum(make(None).apply({"params": p}, x, tables)[:, token:token + 1] * w)
-  part = lambda p, x: jnp.sum(make(token).apply({"params": p}, x, tables) * w)
-  assert make(token).apply({"params": params}, x, tables).shape == (5, 1, 32)
-  (want, g_want), (got, g_got) = (jax.value_and_grad(f, (0, 1))(params, x) for f in (full, part))
+  w = jax.random.normal(jax.random.PRNGKey(4), (b, 1, width))
+  want_f = lambda p, c, t: jnp.sum(
+      full.apply({"params": p}, jnp.concatenate([c, t], axis=1))[:, -1:] * w)
+  got_f = lambda p, c, t: jnp.sum(part.apply({"params": p}, c, t) * w)
+  assert part.apply({"params": params}, context, token).shape == (b, 1, width)
+  (want, g_want), (got, g_got) = (jax.value_and_grad(f, (0, 1, 2))(params, context, token)
+                                  for f in (want_f, got_f))
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  # the MLP's first layer (64 wide) and the queries see one token of each example
-  jaxpr = jax.make_jaxpr(lambda p: make(token).apply({"params": p}, x, tables))(params).jaxpr
-  assert _dot_rows(jaxpr, 64) == [5]
-  with pytest.raises(ValueError, match="causal=False"):
-    vit.Block(4, 64, causal=True, readout=token).init(jax.random.PRNGKey(2), x, tables)
+  for a, b_ in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)
+  # the MLP's first layer (64 wide) sees one token of each example
+  jaxpr = jax.make_jaxpr(lambda p: part.apply({"params": p}, context, token))(params).jaxpr
+  assert _dot_rows(jaxpr, 64) == [b]
+  # (branch, return_branch) as Block's
+  x, branch = vit.ReadoutBlock(return_branch=True, **kw).apply({"params": params}, context, token)
+  np.testing.assert_allclose(x + vit.branch_value(branch),
+                             part.apply({"params": params}, context, token), rtol=1e-6)
 
 
 def test_transformer_decoder_last_block_reads_one_token():
@@ -460,3 +466,7 @@ def test_transformer_decoder_last_block_reads_one_token():
   params = dec.init(jax.random.PRNGKey(2), z, noisy)["params"]
   jaxpr = jax.make_jaxpr(lambda p: dec.apply({"params": p}, z, noisy))(params).jaxpr
   assert sorted(_dot_rows(jaxpr, 48)) == [7, 14]
+  one = decoders.PatchDecoder("transformer", 12, depth=1, width=16, num_heads=2, mlp_ratio=3)
+  params = one.init(jax.random.PRNGKey(2), z, noisy)["params"]
+  jaxpr = jax.make_jaxpr(lambda p: one.apply({"params": p}, z, noisy))(params).jaxpr
+  assert _dot_rows(jaxpr, 48) == [7]

@@ -122,14 +122,10 @@ class QkvProjection(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, query_rows: slice | None = None,
-               weights_only: bool = False):
-    """``query_rows`` (a slice of the token axis): return ``(q product of
-    those tokens [B, t, heads, head_dim], k/v product of every token [B, T,
-    2, heads, head_dim], bias)``, the queries of the other tokens not
-    computed. ``weights_only``: return ``(x, kernel [width, 3, heads,
-    head_dim], bias)`` in ``dtype`` and compute nothing, for a caller that
-    takes the product in its own kernel."""
+  def __call__(self, x: jax.Array, weights_only: bool = False):
+    """``weights_only``: return ``(x, kernel [width, 3, heads, head_dim],
+    bias)`` in ``dtype`` and compute nothing, for a caller that takes the
+    product in its own kernel (or its own products: ReadoutAttention)."""
     width = x.shape[-1]
     if width % self.num_heads:
       raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
@@ -143,11 +139,12 @@ class QkvProjection(nn.Module):
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     if weights_only:
       return x, kernel, bias
-    contract = (((x.ndim - 1,), (0,)), ((), ()))
-    if query_rows is None:
-      return jax.lax.dot_general(x, kernel, contract), bias
-    return (jax.lax.dot_general(x[:, query_rows], kernel[:, 0], contract),
-            jax.lax.dot_general(x, kernel[:, 1:], contract), bias)
+    return _project(x, kernel), bias
+
+
+def _project(x, kernel):
+  """``x [..., width] @ kernel [width, ...]``."""
+  return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 class DenseBiasApart(nn.Module):
@@ -267,12 +264,7 @@ class MultiHeadAttention(nn.Module):
 
   ``defer_bias``: return the output projection's product and bias apart,
   ``(product, bias)`` (``DenseBiasApart``), for the caller to add the bias
-  in its next norm's kernel (vit.Block); the same parameters either way.
-
-  ``readout=r`` (full attention only): the output of query token ``r`` alone,
-  ``[B, 1, D]``, every token still a key and value: what a block whose other
-  outputs go unused needs (the denoising decoder's last block). Its q and the
-  output projection are computed for that token only."""
+  in its next norm's kernel (vit.Block); the same parameters either way."""
   num_heads: int
   causal: bool = True
   impl: str = "xla"
@@ -281,40 +273,66 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
-               mask: jax.Array | None = None, readout: int | None = None) -> jax.Array:
-    width = x.shape[-1]
-    if readout is not None and self.causal:
-      raise ValueError("readout attention is for full (non-causal) attention, where every "
-                       "key is seen by the read-out query; set causal=False")
+               mask: jax.Array | None = None) -> jax.Array:
     out = None
-    if readout is not None:
-      q_product, kv_product, bias = QkvProjection(self.num_heads, self.dtype, name="qkv")(
-          x, query_rows=slice(readout, readout + 1))
-      q = q_product + bias[0]
-      k, v = kv_product[:, :, 0] + bias[1], kv_product[:, :, 1] + bias[2]
-      if rope is not None:
-        cos, sin = rope
-        q = posenc_lib.apply_rope(q, cos[:, readout:readout + 1], sin[:, readout:readout + 1])
-        k = posenc_lib.apply_rope(k, cos, sin)
-      out = dot_product_attention(
-          q, k, v, causal=False, impl=self.impl,
-          mask=None if mask is None else mask[:, :, readout:readout + 1])
-    else:
-      projection = QkvProjection(self.num_heads, self.dtype, name="qkv")
-      hopper = check_attention_impl(self.impl) == "hopper" and self.causal and mask is None
-      if hopper:
-        out = _projected_attention(projection, x, rope)
-      if out is None:
-        product, bias = projection(x)
-      if hopper and out is None:
-        out = _hopper_qkv_attention(product, bias, rope)
-      if out is None:
-        q, k, v = split_qkv(product + bias, rope)
-        out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
-    if self.defer_bias:
-      return DenseBiasApart(width, (-2, -1), self.dtype, OUT_INIT, name="out")(out)
-    return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
-                           kernel_init=OUT_INIT, name="out")(out)
+    projection = QkvProjection(self.num_heads, self.dtype, name="qkv")
+    hopper = check_attention_impl(self.impl) == "hopper" and self.causal and mask is None
+    if hopper:
+      out = _projected_attention(projection, x, rope)
+    if out is None:
+      product, bias = projection(x)
+    if hopper and out is None:
+      out = _hopper_qkv_attention(product, bias, rope)
+    if out is None:
+      q, k, v = split_qkv(product + bias, rope)
+      out = dot_product_attention(q, k, v, causal=self.causal, impl=self.impl, mask=mask)
+    return _out_projection(out, x.shape[-1], self.dtype, self.defer_bias)
+
+
+def _out_projection(out, width: int, dtype, defer_bias: bool):
+  """The heads' outputs ``[..., heads, head_dim]`` -> ``[..., width]``
+  (submodule ``out`` of the calling module), the bias apart with
+  ``defer_bias`` (DenseBiasApart)."""
+  if defer_bias:
+    return DenseBiasApart(width, (-2, -1), dtype, OUT_INIT, name="out")(out)
+  return nn.DenseGeneral(width, axis=(-2, -1), dtype=dtype, kernel_init=OUT_INIT,
+                         name="out")(out)
+
+
+class ReadoutAttention(nn.Module):
+  """Full attention (no mask, no RoPE) over ``[context, token]``, computed
+  for the query of ``token`` alone: ``context [B, S, D]`` are keys and
+  values only, ``token [B, 1, D]`` the last key, value and the one query.
+  Returns ``token``'s output ``[B, 1, D]`` (``(product, bias)`` with
+  ``defer_bias``), which is ``MultiHeadAttention(causal=False)`` over the
+  concatenated sequence at its last token: same parameters (``qkv``,
+  ``out``), same function (tests).
+
+  For the denoising decoder's last block (vit.ReadoutBlock), whose other
+  outputs go unused. Taking the two tokens as two arrays rather than as
+  slices of one ``[B, 2, D]`` sequence saves the stack before the block and,
+  in the backward, the pads and adds that slicing the query's row and the
+  residual's out of the sequence cost: the decoder's passes outside its
+  matrix products went from 3.0 to 2.4 ms a ViT-L/16 step (batch 256, H200;
+  benchmarks/RESULTS.md, twentieth session).
+  """
+  num_heads: int
+  dtype: Any = jnp.float32
+  defer_bias: bool = False
+  impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, context: jax.Array, token: jax.Array):
+    projection = QkvProjection(self.num_heads, self.dtype, name="qkv")
+    context, kernel, bias = projection(context, weights_only=True)
+    token, = nn.dtypes.promote_dtype(token, dtype=self.dtype)
+    kv = _project(context, kernel[:, 1:])       # [B, S, 2, H, D]: no query
+    qkv = _project(token, kernel)              # [B, 1, 3, H, D]
+    q = qkv[:, :, 0] + bias[0]
+    k = jnp.concatenate([kv[:, :, 0], qkv[:, :, 1]], axis=1) + bias[1]
+    v = jnp.concatenate([kv[:, :, 1], qkv[:, :, 2]], axis=1) + bias[2]
+    out = dot_product_attention(q, k, v, causal=False, impl=self.impl)
+    return _out_projection(out, token.shape[-1], self.dtype, self.defer_bias)
 
 
 class CachedMultiHeadAttention(nn.Module):

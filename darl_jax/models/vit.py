@@ -322,14 +322,7 @@ class Block(nn.Module):
   the bias is deferred, see ``branch_value``), and ``branch=`` takes the
   previous block's, array or pair, so that this block's input is ``x +
   branch``, added in norm1. With ``norm_impl='xla'`` the same arguments add
-  in XLA. The parameters are the same either way.
-
-  ``readout=r`` (full attention only): compute the block's output for token
-  ``r`` alone, ``[B, 1, D]`` (every token still attends as a key and value):
-  a last block whose other outputs are unused skips their queries, output
-  projection, norm2 and MLP. The denoising decoder's last block reads only
-  its noisy-patch token: 14 of its 24 width^2 multiply-adds per patch are
-  left (flops.decoder_forward_flops)."""
+  in XLA. The parameters are the same either way."""
   num_heads: int
   mlp_dim: int
   causal: bool = True
@@ -339,7 +332,6 @@ class Block(nn.Module):
   mlp_impl: str = "xla"
   norm_impl: str = "xla"
   return_branch: bool = False
-  readout: int | None = None
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None, deterministic: bool = True, branch=None):
@@ -347,9 +339,7 @@ class Block(nn.Module):
     x, y = pre_norm(self.norm_impl, self.dtype, "norm1", x, add=branch)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
-        dtype=self.dtype, defer_bias=defer, name="attn")(y, rope, mask, self.readout)
-    if self.readout is not None:   # the residual stream of the read-out token
-      x = x[:, self.readout:self.readout + 1]
+        dtype=self.dtype, defer_bias=defer, name="attn")(y, rope, mask)
     if not defer:
       y = DropPath(self.drop_path)(y, deterministic)
     x, y = pre_norm(self.norm_impl, self.dtype, "norm2", x, add=y)
@@ -357,6 +347,43 @@ class Block(nn.Module):
             name="mlp")(y)
     if not defer:
       y = DropPath(self.drop_path)(y, deterministic)
+    return (x, y) if self.return_branch else x + branch_value(y)
+
+
+class ReadoutBlock(nn.Module):
+  """A full-attention (non-causal, no RoPE, no drop path) Block's output at
+  one token, ``token [B, 1, D]``, whose sequence is ``[context, token]``
+  (``context [B, S, D]``, keys and values only): the same parameters as
+  ``Block`` and the same function as ``Block(causal=False)`` over the
+  concatenated sequence, read at its last token (tests). The context's
+  queries, output projection, norm2 and MLP, whose outputs nobody reads,
+  are not computed: the denoising decoder's last block reads only its
+  noisy-patch token, so 14 of its 24 width^2 multiply-adds per patch are
+  left (flops.readout_layer_flops). Returns ``token``'s output, or ``(x,
+  branch)`` with ``return_branch`` as Block."""
+  num_heads: int
+  mlp_dim: int
+  dtype: Any = jnp.float32
+  mlp_impl: str = "xla"
+  norm_impl: str = "xla"
+  return_branch: bool = False
+
+  @nn.compact
+  def __call__(self, context, token):
+    defer = defers_bias(self.norm_impl, 0.0)
+    # norm1 normalises both tokens (one module called twice: one set of
+    # parameters); only the read-out token's residual stream goes on
+    if check_norm_impl(self.norm_impl) == "triton":
+      norm1 = TritonLayerNorm(dtype=self.dtype, name="norm1")
+      context, (token, y) = norm1(context), norm1(token, residual=True)
+    else:
+      norm1 = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")
+      context, y = norm1(context), norm1(token)
+    y = attention_lib.ReadoutAttention(self.num_heads, dtype=self.dtype, defer_bias=defer,
+                                       name="attn")(context, y)
+    x, y = pre_norm(self.norm_impl, self.dtype, "norm2", token, add=y)
+    y = Mlp(self.mlp_dim, dtype=self.dtype, impl=self.mlp_impl, defer_bias=defer,
+            name="mlp")(y)
     return (x, y) if self.return_branch else x + branch_value(y)
 
 
