@@ -288,6 +288,28 @@ def test_short_attention_matches_jax_attention(tq, tk, dtype):
   assert tk <= attention.SHORT_KEYS
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_two_key_attention_is_attention_over_two_keys(dtype):
+  """two_key_attention (sigmoid of the logits' difference) gives
+  short_attention's output over the stacked keys, and its gradient."""
+  from darl_jax.models import attention
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  q, k0, k1, v0, v1 = (2.0 * jax.random.normal(r, (6, 1, 3, 8), dtype) for r in keys)
+  want_f = lambda q, k0, k1, v0, v1: attention.short_attention(  # noqa: E731
+      q, jnp.concatenate([k0, k1], 1), jnp.concatenate([v0, v1], 1), causal=False)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  outs = []
+  for f in (want_f, attention.two_key_attention):
+    loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * w)  # noqa: E731
+    outs.append((f(q, k0, k1, v0, v1), jax.grad(loss, range(5))(q, k0, k1, v0, v1)))
+  (want, g_want), (got, g_got) = outs
+  assert got.dtype == want.dtype == dtype
+  np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(np.float32(a), np.float32(b), atol=4 * tol, rtol=4 * tol)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_cudnn_and_xla_attention_agree():
   from darl_jax.models import attention

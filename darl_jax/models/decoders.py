@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from darl_jax.models import attention as attention_lib
 from darl_jax.models import vit as vit_lib
 
 DECODERS = ("linear", "mlp", "transformer")
@@ -95,17 +94,11 @@ class PatchDecoder(nn.Module):
     if noisy is None:
       raise ValueError("the transformer patch decoder is a denoising decoder: use "
                        "loss.kind='diffusion', or decoder.kind='linear'/'mlp' for MSE")
-    # Each token is its embedding plus a learned type embedding. The type
-    # embedding joins the embedding's bias (one vector, one rounding), which
-    # XLA adds in the product's epilogue rather than in a pass of its own
-    # over the [M, width] token (0.13 ms a ViT-L/16 step at batch 256).
-    embeds = [attention_lib.DenseBiasApart(self.width, dtype=self.dtype,
-                                           kernel_init=vit_lib.DENSE_INIT, name=name)(x)
-              for name, x in (("z_embed", z), ("noisy_embed", noisy))]
+    # each token is its embedding plus a learned type embedding
+    tokens = [dense(self.width, "z_embed")(z), dense(self.width, "noisy_embed")(noisy)]
     type_embed = self.param("type_embed", nn.initializers.normal(0.02),
                             (2, self.width), jnp.float32)
-    context, token = ((product + (bias + e).astype(product.dtype))[:, None]
-                      for (product, bias), e in zip(embeds, type_embed))
+    context, token = (t[:, None] + e.astype(t.dtype) for t, e in zip(tokens, type_embed))
     block = dict(num_heads=self.num_heads, mlp_dim=self.width * self.mlp_ratio,
                  dtype=self.dtype, mlp_impl=self.mlp_impl, norm_impl=self.norm_impl)
     if self.depth > 1:
