@@ -204,9 +204,7 @@ class BlockLnMlpRecompute(vit.Block):
     y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=self.dtype, name="norm1")(x)
     y = attention_lib.MultiHeadAttention(
         self.num_heads, causal=self.causal, impl=self.attention_impl,
-        dtype=self.dtype, name="attn")(y, rope, mask, self.readout)
-    if self.readout is not None:   # as vit.Block: the read-out token's stream
-      x = x[:, self.readout:self.readout + 1]
+        dtype=self.dtype, name="attn")(y, rope, mask)
     x = x + vit.DropPath(self.drop_path)(y, deterministic)
     d = x.shape[-1]
     scale = self.param("norm2_scale", nn.initializers.ones, (d,), jnp.float32)
@@ -316,11 +314,9 @@ class QkvProjectionBiasSplit(attention_lib.QkvProjection):
   reduction of its own (XLA fuses it with RoPE's backward, at 1.4 TB/s);
   the bias it hands on is zero, so the caller's add is a no-op."""
 
-  def __call__(self, x, query_rows=None):
-    if query_rows is not None:   # the decoder's read-out block: q and k/v apart
-      q, kv, bias = super().__call__(x, query_rows)
-      return (bias_add_split(q, bias[0]), bias_add_split(kv, bias[1:]),
-              jnp.zeros_like(bias))
+  def __call__(self, x, weights_only=False):
+    if weights_only:   # callers that take their own products add the bias as before
+      return super().__call__(x, weights_only=True)
     product, bias = super().__call__(x)
     return bias_add_split(product, bias), jnp.zeros_like(bias)
 

@@ -72,6 +72,9 @@ def test_lever_ab_variants_compute_the_same_loss_and_gradients():
   def ln_names(params):  # ln_mlp_recompute keeps norm2's parameters in the block
     flat = traverse_util.flatten_dict(params)
     blocks = {k[:-3] for k in flat if k[-3:-1] == ("mlp", "fc1")}
+    # the variant replaces vit.Block, not the decoder's last block (a ReadoutBlock)
+    decoder = sorted((k for k in blocks if k[0] == "decoder"), key=lambda k: int(k[-1][6:]))
+    blocks -= set(decoder[-1:])
     return traverse_util.unflatten_dict({
         (k[:-2] + (f"norm2_{k[-1]}",) if k[-2:-1] == ("norm2",) and k[:-2] in blocks else k): v
         for k, v in flat.items()})
