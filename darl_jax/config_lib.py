@@ -28,6 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.total_steps = 0              # > 0 overrides total_epochs
   c.total_epochs = 1.0
   c.log_every_steps = 50
+  # Also write TensorBoard events beside metrics.jsonl. The clu writer
+  # imports TensorFlow, several seconds of every start-up on CPU: the tests'
+  # many short runs and the tiny study scale turn it off.
+  c.tensorboard = True
   c.checkpoint_every_steps = 1000
   c.eval_every_steps = 1000      # 0: never
   c.eval_max_batches = 0         # 0: the whole eval split

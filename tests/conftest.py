@@ -14,3 +14,9 @@ _CACHE = os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The tests' programs are tiny, so compiling them is most of their time, and
+# LLVM's optimisation passes are most of a CPU compile: without them a model's
+# init compiles in half the time (15.8 s against 32.8 s for test_models'
+# option cases). Subprocesses that set their own XLA_FLAGS append to these.
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))

@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def _loss_and_grads(objective, params=None, rename=None, overrides=()):
   params = init(0) if params is None else params
   if rename:
     params = rename(params)
-  return params, jax.value_and_grad(loss)(params)
+  return params, jax.jit(jax.value_and_grad(loss))(params)
 
 
 def test_lever_ab_variants_compute_the_same_loss_and_gradients():
@@ -313,7 +314,7 @@ def test_scaling_benchmark_on_two_cpu_devices():
   against the 1-device run, or against ``--baseline_img_s`` when given
   (then no 1-device run)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=cpu_devices_flags(2))
   common = ["--variant=mu/4", "--image_size=32", "--per_device_batch=4", "--steps=1",
             "--warmup=1", "--modes=fsdp"]
 

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from darl_jax.checkpoint import Checkpointer, restore_params
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
@@ -125,7 +126,7 @@ def _child_env(**extra):
 def test_reshard_across_devices_and_load_on_other_topology(tmp_path):
   """Saved on 2 (virtual) devices, restored with other specs and on 1 device."""
   d = tmp_path / "wd" / "checkpoints"
-  env = _child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = _child_env(XLA_FLAGS=cpu_devices_flags(2))
   proc = subprocess.run([sys.executable, "-c", _RESHARD_SCRIPT, str(d)],
                         env=env, capture_output=True, text=True, timeout=120)
   assert "RESHARD_OK" in proc.stdout, proc.stderr[-3000:]

@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from darl_jax.kernels import per_shard  # noqa: E402
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 
 def test_without_a_mesh_the_function_runs_as_it_is():
@@ -154,7 +155,7 @@ def _check_mesh(mesh, params, args, run_options):
 
 
 def test_kernels_on_two_devices_match_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(2),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=1200)

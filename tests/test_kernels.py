@@ -222,25 +222,30 @@ def perturbed(params, scale: float = 0.1):
                                    for p, k in zip(leaves, keys)])
 
 
-def _tiny_vit(mlp_impl, dtype=jnp.bfloat16):
+def _tiny_vit(mlp_impl, dtype=jnp.bfloat16, depth=2):
   # 2 images x 64 tokens (SOS + 63 patches) = 128 rows; MLP 64 -> 256 -> 64.
-  return vit.ViT(64, 2, 2, 256, reference_grid=(8, 8), dtype=dtype, mlp_impl=mlp_impl)
+  return vit.ViT(64, depth, 2, 256, reference_grid=(8, 8), dtype=dtype, mlp_impl=mlp_impl)
 
 
 def test_vit_with_hopper_mlp_matches_the_xla_mlp():
   """model.mlp_impl='hopper' is the same model: same parameter tree, and the
-  features and parameter gradients agree to bf16 rounding."""
+  features and parameter gradients agree to bf16 rounding. One block: the
+  kernels' interpreter is the test's cost, and each block runs the same code
+  (the gradient still flows from the MLP into the attention and embedding)."""
   args = vit_inputs(2, 8)
-  params = _tiny_vit("xla").init(jax.random.key(1), *args)["params"]
-  assert (jax.tree.structure(_tiny_vit("hopper").init(jax.random.key(1), *args)["params"])
+  params = _tiny_vit("xla", depth=1).init(jax.random.key(1), *args)["params"]
+  # eval_shape: the structure without running the (interpreted) kernels
+  assert (jax.tree.structure(jax.eval_shape(
+      lambda: _tiny_vit("hopper", depth=1).init(jax.random.key(1), *args)["params"]))
           == jax.tree.structure(params))
   params = perturbed(params)   # non-zero biases, so a lost bias shows
 
   def loss(impl):
     def f(p):
-      feats = _tiny_vit(impl).apply({"params": p}, *args)["features"].astype(jnp.float32)
+      feats = _tiny_vit(impl, depth=1).apply({"params": p}, *args)["features"].astype(
+          jnp.float32)
       return jnp.mean(feats * jnp.sin(feats)), feats
-    return jax.value_and_grad(f, has_aux=True)(params)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
   (_, f_x), g_x = loss("xla")
   (_, f_h), g_h = loss("hopper")
@@ -323,7 +328,7 @@ def test_hopper_mlp_defers_fc2s_bias():
   in the model the norm kernel's float32 sum reaches it)."""
   x = jax.random.normal(jax.random.key(0), (2, 64, 64), jnp.bfloat16)
   make = lambda defer: vit.Mlp(256, dtype=jnp.bfloat16, impl="hopper", defer_bias=defer)
-  params = perturbed(make(False).init(jax.random.key(1), x)["params"])
+  params = perturbed(vit.Mlp(256, dtype=jnp.bfloat16).init(jax.random.key(1), x)["params"])
   readout = jax.random.normal(jax.random.key(2), x.shape)
 
   def loss(defer):
@@ -331,7 +336,7 @@ def test_hopper_mlp_defers_fc2s_bias():
       y = make(defer).apply({"params": p}, x)
       y = vit.branch_value(y)
       return jnp.sum(y.astype(jnp.float32) * readout), y
-    return jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
+    return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(params, x)
 
   (_, y_d), (g_d, dx_d) = loss(True)
   (_, y), (g, dx) = loss(False)

@@ -35,7 +35,8 @@ def tiny_config(**over):
 def init(model, images, seed=0):
   rngs = {"params": jax.random.PRNGKey(seed), "noise": jax.random.PRNGKey(1),
           "dropout": jax.random.PRNGKey(2)}
-  return model.init(rngs, images, train=False)["params"]
+  # jitted: one compile instead of one per operation (about half the time)
+  return jax.jit(lambda r, x: model.init(r, x, train=False)["params"])(rngs, images)
 
 
 def images(n=2, size=16, c=1, seed=0):
@@ -464,8 +465,8 @@ def test_readout_block_is_the_full_block_at_the_last_token(context_len, norm_imp
       full.apply({"params": p}, jnp.concatenate([c, t], axis=1))[:, -1:] * w)
   got_f = lambda p, c, t: jnp.sum(part.apply({"params": p}, c, t) * w)
   assert part.apply({"params": params}, context, token).shape == (b, 1, width)
-  (want, g_want), (got, g_got) = (jax.value_and_grad(f, (0, 1, 2))(params, context, token)
-                                  for f in (want_f, got_f))
+  (want, g_want), (got, g_got) = (
+      jax.jit(jax.value_and_grad(f, (0, 1, 2)))(params, context, token) for f in (want_f, got_f))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for a, b_ in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
     np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)

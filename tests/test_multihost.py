@@ -23,6 +23,7 @@ import pytest
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import distributed
 from darl_jax import metrics as metrics_lib
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -124,7 +125,7 @@ def _start(workdir, logs, overrides, *, processes: int, devices: int):
   port = _free_port()
   procs = []
   for i in range(processes):
-    extra = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    extra = {"XLA_FLAGS": cpu_devices_flags(devices)}
     if processes > 1:
       extra.update(DARL_COORDINATOR=f"127.0.0.1:{port}", DARL_NUM_PROCESSES=str(processes),
                    DARL_PROCESS_ID=str(i))

@@ -23,6 +23,7 @@ from darl_jax import sharding as sharding_lib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import tiny_config  # noqa: E402  pylint: disable=g-import-not-at-top
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 
 def _abstract_params(**model):
@@ -232,7 +233,7 @@ def _worker(outdir: str) -> None:
 
 def test_tensor_parallel_training_matches_the_replicated_run(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             XLA_FLAGS=cpu_devices_flags(4),
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   proc = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=400)

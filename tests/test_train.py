@@ -16,6 +16,7 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax.train import loop
 from darl_jax.train import pretrain
+from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -23,7 +24,7 @@ TINY = str(ROOT / "tests" / "tiny_config.py")
 
 def cli(workdir, *overrides, arg="", devices=1, check=True, timeout=300, wait=True):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=cpu_devices_flags(devices))
   cmd = [sys.executable, "-m", "darl_jax.main", f"--config={TINY}{':' + arg if arg else ''}",
          f"--workdir={workdir}", *overrides]
   if not wait:
@@ -66,7 +67,7 @@ def straight_run(tmp_path_factory):
 
 def test_cli_writes_the_workdir_contract_and_the_loss_falls(tmp_path):
   cli(tmp_path, "--config.total_steps=40", "--config.checkpoint_every_steps=20",
-      "--config.eval_every_steps=20", arg="objective=diffusion")
+      "--config.eval_every_steps=20", "--config.tensorboard=True", arg="objective=diffusion")
   names = {p.name for p in tmp_path.iterdir()}
   assert {"config.json", "metrics.jsonl", "tensorboard", "checkpoints",
           "predictions.png"} <= names
@@ -90,6 +91,8 @@ def test_logged_parameter_norm_is_the_checkpointed_parameters_norm(straight_run)
   at the last step it is the norm of the parameters saved there."""
   logged = [r for r in metrics_lib.read_metrics(str(straight_run)) if "param_norm" in r]
   params, meta = final_params(straight_run)
+  # tiny_config's config.tensorboard=False: metrics.jsonl only
+  assert not (straight_run / "tensorboard").exists()
   assert logged[-1]["step"] == meta["step"]
   want = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
                      for x in jax.tree_util.tree_leaves(params)))

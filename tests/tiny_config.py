@@ -12,6 +12,7 @@ def get_config(arg=None):
   c.total_steps = args.steps
   c.batch_size = 16
   c.log_every_steps = 1
+  c.tensorboard = False   # TensorFlow's import would be most of a run's start-up
   c.checkpoint_every_steps = 4
   c.eval_every_steps = 4
   c.eval_max_batches = 2

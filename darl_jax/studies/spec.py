@@ -162,6 +162,7 @@ SCALES = {
         probe="experiments/fashion_mnist_linear_probe.py",
         common={"batch_size": 16, "eval_max_batches": 1, "log_every_steps": 1,
                 "checkpoint_every_steps": 1000, "keep_checkpoints": 1,
+                "tensorboard": False,   # TensorFlow's import: most of a stage's start-up
                 "model.width": 32, "model.depth": 2, "model.num_heads": 2,
                 "model.mlp_dim": 64},
         pretrain={"total_steps": 3, "eval_every_steps": 3, "predictions.num_images": 0,

@@ -287,7 +287,8 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   is_main = jax.process_index() == 0
-  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main)
+  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main,
+                                    tensorboard=config.get("tensorboard", True))
   writer.write_config(config.to_dict())
 
   # ------------------------------------------------------------ mesh and data
