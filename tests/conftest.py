@@ -9,6 +9,8 @@ hits. It lives in a per-run temporary folder, so no state leaks between runs.
 import os
 import tempfile
 
+from xla_env import with_xla_flag
+
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="darl_jax_test_cache_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -18,5 +20,4 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # LLVM's optimisation passes are most of a CPU compile: without them a model's
 # init compiles in half the time (15.8 s against 32.8 s for test_models'
 # option cases). Subprocesses that set their own XLA_FLAGS append to these.
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+os.environ["XLA_FLAGS"] = with_xla_flag("--xla_backend_optimization_level=0")

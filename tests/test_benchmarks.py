@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
+from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

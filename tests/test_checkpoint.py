@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from darl_jax.checkpoint import Checkpointer, restore_params
-from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
+from xla_env import cpu_devices_flags
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 

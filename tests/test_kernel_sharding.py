@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from darl_jax.kernels import per_shard  # noqa: E402
-from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
+from xla_env import cpu_devices_flags  # noqa: E402
 
 
 def test_without_a_mesh_the_function_runs_as_it_is():

@@ -23,7 +23,7 @@ import pytest
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import distributed
 from darl_jax import metrics as metrics_lib
-from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
+from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")

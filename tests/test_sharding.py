@@ -23,7 +23,7 @@ from darl_jax import sharding as sharding_lib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import tiny_config  # noqa: E402  pylint: disable=g-import-not-at-top
-from xla_env import cpu_devices_flags  # noqa: E402  (tests/xla_env.py)
+from xla_env import cpu_devices_flags  # noqa: E402
 
 
 def _abstract_params(**model):
