@@ -38,6 +38,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.stop_after_steps = 0         # > 0: leave after this many steps (checkpointed)
   c.skip_nonfinite = False
+  # JAX's persistent compilation cache, so that a rerun or a resumed run skips
+  # most of its compilation; "" turns it off. JAX_COMPILATION_CACHE_DIR in the
+  # environment wins over this key.
+  c.compilation_cache_dir = "~/.cache/darl_jax/jax"
   c.sharding = "replicated"      # darl_jax.sharding.PARTITION_RULES
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
@@ -52,11 +56,12 @@ def base_config() -> ml_collections.ConfigDict:
       "variant": "Ti/4", "width": 0, "depth": 0, "num_heads": 0, "mlp_dim": 0,
       "image_size": 28, "reference_image_size": 0, "channels": 1,
       "posenc": "rope2d", "rope_max_wavelength": 10_000.0,
-      "causal": True, "attention_impl": "xla", "dtype": "float32",
-      # "hopper": the MLP's GELU inside Hopper GEMM kernels (models/vit.py).
-      "mlp_impl": "xla",
-      # "triton": LayerNorms as one fused kernel each way (models/vit.py).
-      "norm_impl": "xla",
+      # Implementations: "auto" = the fastest this backend supports
+      # (darl_jax/kernels/select.py), or one named explicitly: attention
+      # xla | cudnn | hopper, mlp xla | hopper, norm xla | triton.
+      "causal": True, "attention_impl": "auto", "dtype": "float32",
+      "mlp_impl": "auto",
+      "norm_impl": "auto",
       "drop_path": 0.0, "scan_layers": False, "remat": "none",
       "ordering": "raster", "ordering_block": 2,
       # XLNet-style query stream (models/two_stream.py); with ordering="random"
@@ -243,7 +248,7 @@ def imagenet_pretrain_config(variant: str, objective: str) -> ml_collections.Con
   c.data.update(name="imagenet2012", image_size=224, channels=3, augment="spatial",
                 tfds_name="imagenet2012")
   c.model.update(variant=variant, image_size=224, channels=3, posenc="rope2d",
-                 dtype="bfloat16", attention_impl="xla")
+                 dtype="bfloat16")
   c.optim.update(base_lr=1.5e-4, lr_scaling=True, b1=0.9, b2=0.95, weight_decay=0.05,
                  warmup_epochs=40.0, schedule="cosine")
   if objective == "diffusion":

@@ -11,7 +11,7 @@ from flax import linen as nn
 
 from darl_jax.models import posenc as posenc_lib
 
-ATTENTION_IMPLS = ("xla", "cudnn", "hopper")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "hopper")
 
 # MAE initialises every nn.Linear with Xavier-uniform over the 2D weight.
 # DenseGeneral initialises its kernel in the flattened 2D shape ([D, 3*D] for
@@ -40,8 +40,9 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
   an even sequence length (see docs). ``hopper`` runs causal attention
   without a mask through our sm_90 kernels (kernels/hopper_attention.py:
   25-45% less time than cuDNN at the ViT-L/16 and H/14 pretraining shapes)
-  and everything else as ``cudnn`` (as ``xla`` off the GPU, where the
-  kernels run in Pallas's interpreter for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
+  and everything else as ``auto``. ``auto`` is ``cudnn`` where cuDNN takes
+  the inputs (``_cudnn_takes``) and ``xla`` elsewhere (off the GPU the
+  Hopper kernels run in Pallas's interpreter, for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
   = attend) is combined with the causal mask when both are given.
   Sequences of at most ``SHORT_KEYS`` keys (the two-token denoising decoder)
   take ``short_attention`` on the xla path.
@@ -55,11 +56,20 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
           lambda q, k, v: hopper_attention.causal_attention(
               q, k, v, hopper_attention.DEFAULT_ATTENTION_TILING, interpret),
           q, k, v, batched=(True, True, True))
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    impl = "auto"
+  if impl == "auto":
+    impl = "cudnn" if _cudnn_takes(q, k) else "xla"
   if impl == "xla" and k.shape[1] <= SHORT_KEYS:
     return short_attention(q, k, v, causal=causal, mask=mask)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask, is_causal=causal, implementation=impl)
+
+
+def _cudnn_takes(q, k) -> bool:
+  """Whether cuDNN's fused attention takes these inputs: an NVIDIA GPU,
+  16-bit inputs and an even sequence length (odd ones raise in cuDNN)."""
+  return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0)
 
 
 def _require_hopper() -> None:

@@ -202,6 +202,7 @@ class DARL(nn.Module):
 def darl_from_config(config) -> DARL:
   """Builds the DARL module from ``config.model``, ``config.decoder``, ``config.loss``."""
   backbone, patch = vit_lib.vit_from_config(config.model)
+  mlp_impl, norm_impl = backbone.mlp_impl, backbone.norm_impl   # "auto" resolved
   if config.model.get("two_stream", False):
     backbone = two_stream_lib.two_stream_from_vit(backbone)
   loss_cfg = config.loss
@@ -210,8 +211,7 @@ def darl_from_config(config) -> DARL:
   decoder = decoders_lib.decoder_from_config(
       config.decoder, patch_dim=patch * patch * config.model.get("channels", 3),
       backbone_width=backbone.width, backbone_heads=backbone.num_heads,
-      dtype=backbone.dtype, mlp_impl=config.model.get("mlp_impl", "xla"),
-      norm_impl=config.model.get("norm_impl", "xla"))
+      dtype=backbone.dtype, mlp_impl=mlp_impl, norm_impl=norm_impl)
   if decoder.kind == "transformer" and loss_cfg.kind == "mse":
     raise ValueError("decoder.kind='transformer' is a denoising decoder; use it with "
                      "loss.kind='diffusion', or decoder.kind='linear' for MSE")

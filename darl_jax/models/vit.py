@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from darl_jax.kernels import select
 from darl_jax.models import attention as attention_lib
 from darl_jax.models import posenc as posenc_lib
 
@@ -568,9 +569,10 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
     if s % patch:
       raise ValueError(f"image size {s} is not divisible by patch size {patch}; choose "
                        f"an image_size that is a multiple of {patch}")
-  attention_lib.check_attention_impl(get("attention_impl", "xla"))
-  check_mlp_impl(get("mlp_impl", "xla"))
-  check_norm_impl(get("norm_impl", "xla"))
+  impls = select.resolve(model_cfg)     # "auto" -> what runs on this backend
+  attention_lib.check_attention_impl(impls["attention_impl"])
+  check_mlp_impl(impls["mlp_impl"])
+  check_norm_impl(impls["norm_impl"])
   module = ViT(
       width=get("width") or variant.width,
       depth=get("depth") or variant.depth,
@@ -580,13 +582,13 @@ def vit_from_config(model_cfg, *, image_size: int | None = None, causal=None,
       reference_grid=(ref // patch, ref // patch),
       rope_max_wavelength=get("rope_max_wavelength", 10_000.0),
       causal=get("causal", True) if causal is None else causal,
-      attention_impl=get("attention_impl", "xla"),
+      attention_impl=impls["attention_impl"],
       drop_path=get("drop_path", 0.0),
       dtype=dtype_from_name(dtype or get("dtype", "float32")),
       scan_layers=get("scan_layers", False),
       remat=get("remat", "none"),
-      mlp_impl=get("mlp_impl", "xla"),
-      norm_impl=get("norm_impl", "xla"))
+      mlp_impl=impls["mlp_impl"],
+      norm_impl=impls["norm_impl"])
   return module, patch
 
 

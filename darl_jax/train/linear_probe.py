@@ -275,7 +275,7 @@ def collect_features(features_fn, params, source, batch_size: int, max_examples:
   for batch in source.eval_batches(batch_size, jax.process_index(), jax.process_count()):
     g = loop.to_global(batch, sharding)
     f, lab, mask = multihost_utils.process_allgather(
-        (features_fn(params, g["image"]), g["label"], g["mask"]), tiled=True)
+        (features_fn(params, loop.model_input(g)["image"]), g["label"], g["mask"]), tiled=True)
     mask = np.asarray(mask, bool)
     feats.append(np.asarray(f)[mask])
     labels.append(np.asarray(lab)[mask])

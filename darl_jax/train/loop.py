@@ -19,14 +19,13 @@ an uninterrupted one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 import os
-import queue
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,8 @@ from darl_jax import data as data_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
+from darl_jax.kernels import select
+from darl_jax.train import feed as feed_lib
 
 
 class NonFiniteError(RuntimeError):
@@ -115,33 +116,10 @@ def check_image_shape(config, source) -> None:
         "model.image_size/model.channels to agree")
 
 
-def _prefetch(it: Iterator, size: int = 2) -> Iterator:
-  """Runs the host pipeline one or two batches ahead in a thread."""
-  q: queue.Queue = queue.Queue(maxsize=size)
-  sentinel = object()
-
-  def work():
-    try:
-      for item in it:
-        q.put(item)
-    except BaseException as e:  # surfaced in the consumer
-      q.put(e)
-    q.put(sentinel)
-
-  threading.Thread(target=work, daemon=True).start()
-  while True:
-    item = q.get()
-    if item is sentinel:
-      return
-    if isinstance(item, BaseException):
-      raise item
-    yield item
-
-
-def to_global(batch: dict, sharding) -> dict:
-  """Process-local numpy batch -> global jax.Arrays laid out on the mesh."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in batch.items()}
+# Host batches -> device arrays, uint8 -> float images (re-exported for the
+# trainers' evaluators).
+to_global = feed_lib.to_global
+model_input = feed_lib.model_input
 
 
 def _mean_metrics(history: list[dict]) -> dict:
@@ -216,6 +194,7 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None) 
 
   @functools.partial(on_mesh, mesh=mesh)
   def train_step(state, batch):
+    batch = feed_lib.model_input(batch)
     rng = jax.random.fold_in(base_rng, state["step"])
 
     def loss_of(params):
@@ -256,6 +235,7 @@ def make_eval_step(trainer: Trainer, model, base_rng, mesh=None) -> Callable:
 
   @functools.partial(on_mesh, mesh=mesh)
   def eval_step(params, model_state, batch):
+    batch = feed_lib.model_input(batch)
     rng = jax.random.fold_in(base_rng, 2**31 - 2)
     out = trainer.eval_fn(model, params, model_state, batch, rng)
     mask = batch["mask"].astype(jnp.float32)
@@ -277,6 +257,21 @@ def init_state_fn(trainer: Trainer, model, tx, init_batch) -> Callable:
   return init_state
 
 
+def enable_compilation_cache(config) -> None:
+  """JAX's persistent compilation cache at ``config.compilation_cache_dir``
+  ("" = off; a JAX_COMPILATION_CACHE_DIR environment variable wins)."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  path = config.get("compilation_cache_dir", "")
+  if not path:
+    return
+  if "://" not in path:
+    path = os.path.expanduser(path)
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Only programs that take a while to compile are worth a cache entry.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def run(trainer: Trainer, config, workdir: str) -> dict:
   """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
   # ------------------------------------------------------------------ workdir
@@ -292,7 +287,10 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
   writer.write_config(config.to_dict())
 
   # ------------------------------------------------------------ mesh and data
+  enable_compilation_cache(config)
   mesh = sharding_lib.make_mesh(config.mesh)
+  if "model" in config:
+    logging.info("%s", select.describe(config.model))
   warning = sharding_lib.kernel_mesh_warning(config.get("model"), mesh)
   if warning:
     logging.warning(warning)
@@ -371,15 +369,28 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
 
   def save(state, step):
     check_finite(state, f"before the checkpoint at step {step}")
-    ckpt.save(step, state, config_lib.checkpoint_meta(config, step))
+    # The data iterator's position after this step's batch: a resumed run
+    # continues the same stream from it (every process runs the same
+    # pipeline structure, so process 0's state, the one Orbax writes, is
+    # every process's).
+    meta = {**config_lib.checkpoint_meta(config, step), "data_state": data_state}
+    ckpt.save(step, state, meta)
 
   # ---------------------------------------------------------------- the loop
-  batches = _prefetch(train_source.train_batches(
+  resume_data_state = None
+  if start_step:
+    resume_data_state = ckpt.restore_meta(start_step).get("data_state")
+  host_batches = train_source.train_iterator(
       config.batch_size, start_step=start_step, process_index=jax.process_index(),
-      process_count=jax.process_count()))
+      process_count=jax.process_count(), num_workers=config.data.get("num_workers", -1),
+      state=resume_data_state)
+  data_state = resume_data_state
+  feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
+  clock = feed_lib.StepClock(feed)
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step=start_step)
   param_norm = jax.jit(optax.tree.norm)
   history, last = [], {}
+  in_flight = collections.deque()
   logging.info("training %s from step %d to %d (%d steps/epoch)", type(trainer).__name__,
                start_step, total_steps, steps_per_epoch)
   # stop_after_steps > 0 ends this process early (with a checkpoint), e.g. to
@@ -389,17 +400,38 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     stop_at = min(total_steps, start_step + config.stop_after_steps)
   step = start_step
   for step in range(start_step + 1, stop_at + 1):
-    batch = to_global(next(batches), batch_sharding)
+    batch, data_state = next(feed)
     state, metrics = train_step(state, batch)
     history.append(metrics)
+    # At most two steps in flight: the host waits for the device here, so
+    # time spent in next(feed) is the device waiting for input (feed.py).
+    in_flight.append(metrics["loss"])
+    if len(in_flight) > 2:
+      in_flight.popleft().block_until_ready()
+    clock.tick()
+    if step == start_step + 1:
+      jax.block_until_ready(metrics["loss"])
+      clock.skip()    # the first step's compilation is not a step's time
     if step % config.log_every_steps == 0 or step == total_steps:
       last = _mean_metrics(history)
       history = []
       last["param_norm"] = float(param_norm(state["params"]))   # after this step
       check_finite(state, f"at the log of step {step}")
+      timing = clock.window()
       shown = {k: last[k] for k in ("loss", "learning_rate", "grad_norm") if k in last}
+      if "input_wait_fraction" in timing:
+        shown["input_wait"] = f"{timing['input_wait_fraction']:.0%}"
+        shown["goodput"] = f"{timing['goodput']:.0%}"
+      last.update(timing)
       last.update(progress.update(step, shown))
       writer.write_scalars(step, last)
+      if (timing.get("input_wait_fraction", 0.0) > feed_lib.INPUT_BOUND_FRACTION
+          and not clock.warned_input_bound):
+        clock.warned_input_bound = True
+        logging.warning(
+            "input-bound: the step waited for data %.0f%% of the last window; raise "
+            "data.num_workers (now %s) or give the job more host cores",
+            100 * timing["input_wait_fraction"], config.data.get("num_workers", -1))
     if config.eval_every_steps and (step % config.eval_every_steps == 0
                                     or step == total_steps):
       scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
@@ -408,9 +440,12 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
       writer.write_scalars(step, {f"val_{k}": v for k, v in scores.items()})
       logging.info("step %d eval: %s", step, scores)
       last.update({f"val_{k}": v for k, v in scores.items()})
+      clock.skip()
     if step % config.checkpoint_every_steps == 0 or step in (total_steps, stop_at):
       save(state, step)
+      clock.skip()
 
+  feed.close()
   ckpt.wait()
   if stop_at == total_steps:
     trainer.finalize(ctx, model, host_readable(state, mesh))

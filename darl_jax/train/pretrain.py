@@ -56,7 +56,7 @@ class PretrainTrainer(loop.Trainer):
     if not num or jax.process_index() != 0:
       return
     batch = next(iter(ctx.eval_source.eval_batches(num)))
-    images = jnp.asarray(batch["image"][:num])
+    images = loop.model_input({"image": batch["image"][:num]})["image"]
     predict = jax.jit(lambda p, x, r: model.apply(
         {"params": p}, x, num_steps=self.config.predictions.num_steps,
         rngs={"noise": r}, method=darl_lib.DARL.predict_patches))

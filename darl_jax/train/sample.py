@@ -186,6 +186,7 @@ def first_images(data_cfg, split: str, num: int, seed: int):
     if sum(len(x) for x in images) >= num:
       break
   images, labels = np.concatenate(images)[:num], np.concatenate(labels)[:num]
+  images = np.asarray(loop.model_input({"image": images})["image"])   # uint8 -> [-1, 1]
   if len(images) < num:
     raise ValueError(f"split {split!r} has only {len(images)} images; lower sample.num_images")
   return images.astype(np.float32), labels, source.num_classes
@@ -279,7 +280,7 @@ def train_pixel_classifier(data_cfg, num_classes: int, steps: int, batch_size: i
   batches = source.train_batches(batch_size)
   for _ in range(steps):
     batch = next(batches)
-    params, opt, _ = step(params, opt, batch["image"], batch["label"])
+    params, opt, _ = step(params, opt, loop.model_input(batch)["image"], batch["label"])
   predict = jax.jit(lambda x: jnp.argmax(logits(params, x), -1))
   return lambda x: np.concatenate([np.asarray(predict(x[i:i + 1024]))
                                    for i in range(0, len(x), 1024)])
