@@ -17,6 +17,11 @@ def _digits(config, split, seed):
   return digits.build(config, split=split, seed=seed)
 
 
+def _synthetic(config, split, seed):
+  from darl_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+  return synthetic.build(config, split=split, seed=seed)
+
+
 def _image_folder(config, split, seed):
   from darl_jax.data import image_folder  # pylint: disable=g-import-not-at-top
   return image_folder.build(config, split=split, seed=seed)
@@ -45,6 +50,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "imagenet2012": _imagenet2012,
     "image_folder": _image_folder,
     "tfds": _tfds,
+    "synthetic": _synthetic,
 }
 
 

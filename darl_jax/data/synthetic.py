@@ -1,0 +1,85 @@
+"""Random uint8 images with no host work: the training step alone, through the loop.
+
+``data.name=synthetic`` feeds the loop a few fixed random batches (made
+once, cycled), so a run measures the step and the loop around it with the
+input pipeline taken out (benchmarks/cli_benchmark.py compares it with a
+folder of JPEGs). Labels are random over ``NUM_CLASSES``; the split sizes
+are ImageNet's, so epochs and schedules come out as on ImageNet. Not for
+learning anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from darl_jax.data.base import DataSource, cfg_get, local_batch_size, pad_batch
+
+NUM_CLASSES = 1000
+SPLIT_SIZES = {"train": 1_281_167, "validation": 50_000, "test": 50_000}
+DISTINCT_BATCHES = 4
+
+
+class _Cycle:
+  """Infinite iterator over fixed batches with a JSON state (the next step)."""
+
+  def __init__(self, batches: list[dict], step: int):
+    self._batches, self._step = batches, step
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = self._batches[self._step % len(self._batches)]
+    self._step += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"next_step": self._step}
+
+  def set_state(self, state: dict) -> None:
+    self._step = int(state["next_step"])
+
+
+class SyntheticSource(DataSource):
+
+  def __init__(self, *, split: str, image_size: int, channels: int, seed: int):
+    if split not in SPLIT_SIZES:
+      raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLIT_SIZES)}")
+    self.image_shape = (image_size, image_size, channels)
+    self.num_classes = NUM_CLASSES
+    self.num_examples = SPLIT_SIZES[split]
+    self.seed = seed
+
+  def _batches(self, rows: int) -> list[dict]:
+    rng = np.random.default_rng(self.seed)
+    return [{"image": rng.integers(0, 256, (rows, *self.image_shape), dtype=np.uint8),
+             "label": rng.integers(0, NUM_CLASSES, (rows,), dtype=np.int32)}
+            for _ in range(DISTINCT_BATCHES)]
+
+  def train_iterator(self, batch_size: int, *, start_step: int = 0, process_index: int = 0,
+                     process_count: int = 1, num_workers: int = 0,
+                     state: dict | None = None) -> _Cycle:
+    del process_index, num_workers
+    it = _Cycle(self._batches(local_batch_size(batch_size, process_count)), start_step)
+    if state is not None:
+      it.set_state(state)
+    return it
+
+  def train_batches(self, batch_size: int, start_step: int = 0, process_index: int = 0,
+                    process_count: int = 1) -> Iterator[dict]:
+    return self.train_iterator(batch_size, start_step=start_step,
+                               process_index=process_index, process_count=process_count)
+
+  def eval_batches(self, batch_size: int, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[dict]:
+    del process_index
+    local = local_batch_size(batch_size, process_count)
+    for batch in self._batches(local)[:1]:
+      yield pad_batch(batch, local, self.image_shape)
+
+
+def build(config: Any, *, split: str, seed: int) -> DataSource:
+  return SyntheticSource(split=split, image_size=int(cfg_get(config, "image_size", 224)),
+                         channels=int(cfg_get(config, "channels", 3)), seed=seed)
