@@ -18,8 +18,9 @@ written at the end. From each run's metrics.jsonl the benchmark reports the
 median img/s of the logged windows after ``--skip`` warm-up windows, the
 median input-wait fraction and the final goodput; from its log, the seconds
 from launch to the first step. Then it starts the folder command once more
-on a new workdir (``--restart``): with the persistent compilation cache
-warm, the time to the first step is what a rerun or a resumed run pays.
+on a new workdir (``--restart``; the same config, so the same programs,
+stopped after two steps): with the persistent compilation cache warm, the
+time to the first step is what a rerun or a resumed run pays.
 The last line is the ratio CLI / step. Extra config overrides go after
 ``--``: ``... -- --config.model.attention_impl=cudnn``.
 """
@@ -175,7 +176,7 @@ def main():
   if args.restart:
     last = name
     again = run_cli(args.config, os.path.join(scratch, "restart"),
-                    common + ["--config.total_steps=2"] + data[last],
+                    common + ["--config.stop_after_steps=2"] + data[last],
                     args.processes, args.timeout)
     rows[last]["restart_first_step_s"] = again["first_step_s"]
   shutil.rmtree(scratch, ignore_errors=True)
