@@ -9,8 +9,18 @@ Layout on disk (``directory`` is ``<workdir>/checkpoints``, local or ``gs://``):
 
 Orbax writes every checkpoint into a temporary directory and only renames it to
 ``<step>`` (on GCS: writes ``commit_success.txt``) once everything is on disk, so
-step listings never include a half-written checkpoint. Resuming therefore is
-just ``restore(latest_step(), abstract_state)``.
+step listings never include a half-written checkpoint. A checkpoint can still be
+damaged after its commit (a disk error, a truncated copy, a file deleted by
+hand): ``restore_newest`` walks back from the newest step to the newest one
+that restores, and moves each damaged one aside to
+``<workdir>/checkpoints.damaged/<step>`` (kept for inspection, out of the way
+of keep-N and of later runs; delete it when done). Readers
+(``restore_params``) skip damaged steps the same way but never move anything.
+
+The meta item holds the run's resolved config (``config``): every reader of a
+checkpoint (export, sampling, fine-tuning) takes the config from there, not
+from ``<workdir>/config.json``, which a later command could have rewritten
+(``stored_config``).
 
 Two entry points:
 
@@ -26,7 +36,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -38,6 +49,115 @@ from etils import epath
 # restore_params reads checkpoints written by (possibly older) training runs.
 STATE_ITEM = "state"
 META_ITEM = "meta"
+
+
+DAMAGED_DIR = "checkpoints.damaged"
+
+
+class CheckpointDamagedError(ValueError):
+  """A checkpoint exists but cannot be read (truncated, zeroed or missing files)."""
+
+
+class StateMismatchError(ValueError):
+  """The checkpoint's state tree does not fit the state this run builds."""
+  meta: dict = {}         # the checkpoint's meta
+
+
+def _short(e: BaseException, limit: int = 240) -> str:
+  """One line of an exception (tensorstore errors run to several lines)."""
+  text = " ".join(str(e).split()) or type(e).__name__
+  text = f"{type(e).__name__}: {text}" if not isinstance(e, (ValueError, OSError)) else text
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _path_str(path) -> str:
+  """A pytree key path as ``a/0/b`` for both live trees (namedtuple fields are
+  GetAttrKeys) and Orbax's metadata trees (namedtuples become dicts)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _leaf_shapes(tree) -> dict[str, tuple]:
+  return {_path_str(p): tuple(getattr(v, "shape", np.shape(v)))
+          for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _group(paths: list[str], param_paths: set[str], limit: int = 4) -> str:
+  """Short lists of state paths: the parameter path inside an optimizer
+  state becomes ``*`` (``opt_state/0/mu/backbone/...`` x 40 ->
+  ``opt_state/0/mu/* (40)``), so that what differs (``mu`` against
+  ``trace``) shows, not 40 parameter names."""
+  groups: dict[str, int] = {}
+  for p in paths:
+    parts = p.split("/")
+    key = p
+    for i in range(1, len(parts)):
+      if "/".join(parts[i:]) in param_paths:
+        key = "/".join(parts[:i]) + "/*"
+        break
+    groups[key] = groups.get(key, 0) + 1
+  items = [k + (f" ({n})" if n > 1 else "") for k, n in sorted(groups.items())]
+  return ", ".join(items[:limit]) + (f", ... ({len(items)} groups)" if len(items) > limit
+                                     else "")
+
+
+def state_difference(saved_tree, abstract_state) -> str | None:
+  """What differs between a checkpoint's state tree (Orbax metadata) and the
+  state this run builds, in one line; None when they fit (same leaves, same
+  shapes; dtypes may differ, Orbax casts)."""
+  saved, now = _leaf_shapes(saved_tree), _leaf_shapes(abstract_state)
+  params = {p.split("/", 1)[1] for p in list(saved) + list(now)
+            if p.startswith("params/")}
+  parts = []
+  only_saved = sorted(set(saved) - set(now))
+  only_now = sorted(set(now) - set(saved))
+  if only_saved:
+    parts.append(f"only in the checkpoint: {_group(only_saved, params)}")
+  if only_now:
+    parts.append(f"only in this run: {_group(only_now, params)}")
+  shapes = [f"{k} {saved[k]} -> {now[k]}" for k in sorted(set(saved) & set(now))
+            if saved[k] != now[k]]
+  if shapes:
+    parts.append("other shapes: " + ", ".join(shapes[:4])
+                 + (f", ... ({len(shapes)} in all)" if len(shapes) > 4 else ""))
+  return "; ".join(parts) or None
+
+
+def drop_closed_loop_reports() -> None:
+  """Silences one kind of noise for the command-line tools (process-wide).
+
+  An Orbax read that fails (a damaged checkpoint, then skipped) closes its
+  asyncio loop while tensorstore still holds callbacks for it; each then
+  reports "Event loop is closed" with a traceback through
+  ``sys.unraisablehook``: hundreds of lines about an error already handled.
+  """
+  default_hook = sys.unraisablehook
+  if getattr(default_hook, "drops_closed_loop_reports", False):
+    return
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      default_hook(unraisable)
+
+  hook.drops_closed_loop_reports = True
+  sys.unraisablehook = hook
+
+
+def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
+  dst.mkdir(parents=True, exist_ok=True)
+  for p in src.iterdir():
+    if p.is_dir():
+      _copy_tree(p, dst / p.name)
+    else:
+      p.copy(dst / p.name)
 
 
 def _item_handlers(state_handler: ocp.CheckpointHandler) -> dict[str, Any]:
@@ -93,6 +213,7 @@ class Checkpointer:
                async_save: bool = True):
     self._directory = absolute_path(directory)
     self._async = async_save
+    self._closed = False
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
@@ -198,15 +319,142 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager's resources."""
+    """Waits for pending saves and releases the manager's resources. Idempotent."""
+    if self._closed:
+      return
+    self._closed = True
     self._manager.wait_until_finished()
     self._manager.close()
+
+  def tmp_dirs(self) -> list[epath.Path]:
+    """Temporary directories of saves in flight or cut short."""
+    if not self._directory.exists():
+      return []
+    return sorted(p for p in self._directory.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+  def finish_or_abandon(self) -> None:
+    """Ends this process's saves after an error elsewhere: waits for the save
+    in flight (its state was checked finite before it started, so it is a good
+    checkpoint) and, if that save itself fails, removes its temporary
+    directory. Afterwards every checkpoint on disk is complete, and the
+    previous ones are untouched (keep-N deletes only after a commit)."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._manager.wait_until_finished()
+    except BaseException as e:  # pylint: disable=broad-except
+      logging.warning("the checkpoint save in flight failed (%s); removing it", _short(e))
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        pass
+      # Only the lock holder writes here, so every temporary directory is ours.
+      if jax.process_index() == 0:
+        for tmp in self.tmp_dirs():
+          logging.warning("removing the unfinished checkpoint %s", tmp)
+          tmp.rmtree(missing_ok=True)
+
+  def prune(self, keep: int) -> list[int]:
+    """Deletes the oldest checkpoints beyond the newest ``keep``.
+
+    Orbax applies keep-N only after a save, so a run killed between a commit
+    and that clean-up leaves ``keep + 1`` checkpoints, and a rerun of a
+    finished run (no save) would never remove them; the loop calls this at
+    start-up. Returns the deleted steps."""
+    steps = self.all_steps()
+    surplus = steps[:-keep] if keep > 0 else []
+    for step in surplus:
+      logging.info("removing checkpoint %d beyond keep_checkpoints=%d", step, keep)
+      self._manager.delete(step)
+    if surplus:
+      self._manager.reload()
+    return surplus
+
+  def _move_aside(self, step: int, reason: str) -> epath.Path:
+    """Moves the damaged ``<step>`` to ``<workdir>/checkpoints.damaged/``."""
+    target = self._directory.parent / DAMAGED_DIR / str(step)
+    if jax.process_index() == 0:
+      src = self._directory / str(step)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      n = 1
+      while target.exists():
+        target = self._directory.parent / DAMAGED_DIR / f"{step}.{n}"
+        n += 1
+      try:
+        src.rename(target)
+      except OSError:               # object stores rename files, not folders
+        _copy_tree(src, target)
+        src.rmtree(missing_ok=True)
+      (target / "DAMAGED.txt").write_text(reason + "\n")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"darl_jax_damaged_{step}")
+    self._manager.reload()
+    return target
+
+  def restore_newest(self, abstract_state: Any, check_meta: Callable[[dict], None]
+                     = lambda meta: None) -> tuple[int, Any, dict] | None:
+    """``(step, state, meta)`` of the newest checkpoint that restores; None if
+    there is none.
+
+    Walks back from the newest step. A checkpoint that cannot be read (its
+    meta, its state metadata or its arrays) is damaged: it is moved aside
+    (``_move_aside``), logged with the reason, and the previous one is tried.
+    What is not damage stops the walk: ``check_meta(meta)`` raising (the
+    config does not fit the checkpoint) and a state tree that differs from
+    ``abstract_state`` (StateMismatchError naming the difference), since an
+    older checkpoint of the same run would not fit either.
+    """
+    self._manager.wait_until_finished()
+    skipped = []
+    for step in reversed(self.all_steps()):
+      try:
+        meta = self.restore_meta(step)
+      except Exception as e:  # pylint: disable=broad-except
+        skipped.append((step, f"its meta cannot be read: {_short(e)}"))
+        self._move_aside(step, skipped[-1][1])
+        continue
+      check_meta(meta)
+      try:
+        saved = self._manager.item_metadata(step)[STATE_ITEM]
+        saved = getattr(saved, "tree", saved)
+      except Exception:  # pylint: disable=broad-except
+        saved = None     # judged by the restore below
+      if saved is not None:
+        diff = state_difference(saved, abstract_state)
+        if diff:
+          error = StateMismatchError(
+              f"the checkpoint at step {step} in {self._directory} holds another "
+              f"training state than this config builds ({diff})")
+          error.meta = meta      # the caller names the config keys that changed
+          raise error
+      try:
+        state, meta = self.restore(step, abstract_state)
+      except Exception as e:  # pylint: disable=broad-except
+        skipped.append((step, f"its state cannot be read: {_short(e)}"))
+        self._move_aside(step, skipped[-1][1])
+        continue
+      for s, why in skipped:
+        logging.warning("skipped the damaged checkpoint at step %d (%s); moved to %s",
+                        s, why, self._directory.parent / DAMAGED_DIR)
+      return step, state, meta
+    for s, why in skipped:
+      logging.warning("skipped the damaged checkpoint at step %d (%s); moved to %s",
+                      s, why, self._directory.parent / DAMAGED_DIR)
+    if skipped:
+      logging.warning("no checkpoint in %s restores: starting from step 0", self._directory)
+    return None
 
   def __enter__(self) -> "Checkpointer":
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    if exc_type is None:
+      self.close()
+    else:
+      self.finish_or_abandon()
 
 
 def _no_checkpoint_error(path: epath.Path, detail: str = "") -> FileNotFoundError:
@@ -244,7 +492,8 @@ def restore_params(path_or_workdir: str, *,
     path_or_workdir: a training workdir (``<workdir>/checkpoints`` is used), a
       checkpoints directory, or one step directory ``.../checkpoints/<step>``.
     step: which step to load from a workdir / checkpoints directory; None means
-      the newest complete checkpoint.
+      the newest checkpoint that reads (damaged newer ones are skipped with a
+      warning, and left in place).
 
   Returns:
     ``(params, meta)``: params as nested dicts of ``np.ndarray`` (dtypes as
@@ -270,25 +519,89 @@ def restore_params(path_or_workdir: str, *,
     steps = sorted(manager.all_steps())
     if not steps:
       raise _no_checkpoint_error(path)
-    if step is None:
-      step = steps[-1]
-    elif int(step) not in steps:
+    if step is not None and int(step) not in steps:
       raise _no_checkpoint_error(
           path, f"step {step} not found; available steps: {steps}")
-    step = int(step)
+    # The newest step that reads, unless a step is asked for: a damaged
+    # newest checkpoint is skipped (and left where it is: a training run may
+    # own this directory; the run itself moves damaged ones aside).
+    candidates = [int(step)] if step is not None else steps[::-1]
+    problems = []
+    for s in candidates:
+      try:
+        params, meta = _read_params(manager, ckpt_dir, s)
+      except CheckpointDamagedError as e:
+        problems.append(str(e))
+        if step is None:
+          logging.warning("skipping %s", e)
+        continue
+      return params, dict(meta) if meta is not None else {}
+  finally:
+    manager.close()
+  if step is not None:
+    raise CheckpointDamagedError(problems[0])
+  raise CheckpointDamagedError(f"every checkpoint under {ckpt_dir} is damaged: "
+                               + "; ".join(problems))
 
+
+def read_meta(path_or_workdir: str, *, step: int | None = None) -> tuple[int, dict]:
+  """``(step, meta)`` of a checkpoint without reading its arrays: ``step`` or
+  the newest one whose meta and state metadata read (damaged ones skipped,
+  as in restore_params). For readers that need the stored config before the
+  parameters (sampling builds its model from it); they then read the
+  parameters of exactly this step."""
+  path = absolute_path(path_or_workdir)
+  ckpt_dir, step = _resolve_checkpoint_dir(path, step)
+  manager = ocp.CheckpointManager(
+      ckpt_dir, options=ocp.CheckpointManagerOptions(
+          create=False, enable_async_checkpointing=False),
+      item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise _no_checkpoint_error(path)
+    if step is not None and int(step) not in steps:
+      raise _no_checkpoint_error(
+          path, f"step {step} not found; available steps: {steps}")
+    problems = []
+    for s in ([int(step)] if step is not None else steps[::-1]):
+      try:
+        meta = manager.restore(
+            s, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+        if manager.item_metadata(s)[STATE_ITEM] is None:
+          raise ValueError(f"its {STATE_ITEM}/ has no readable metadata (_METADATA)")
+      except Exception as e:  # pylint: disable=broad-except
+        problems.append(f"checkpoint {ckpt_dir}/{s} is damaged: {_short(e)}")
+        if step is None:
+          logging.warning("skipping %s", problems[-1])
+        continue
+      return s, dict(meta or {})
+  finally:
+    manager.close()
+  raise CheckpointDamagedError("; ".join(problems))
+
+
+def _read_params(manager, ckpt_dir, step: int):
+  """``(params, meta)`` of one step; CheckpointDamagedError if it cannot be
+  read, KeyError if it reads but holds no ``params`` (not a DARL state)."""
+  where = f"checkpoint {ckpt_dir}/{step}"
+  try:
     metadata = manager.item_metadata(step)[STATE_ITEM]
-    if metadata is None:
-      raise _no_checkpoint_error(path, f"step {step} has no {STATE_ITEM}/ item")
-    # Orbax >= 0.11 wraps the tree in TreeMetadata; older versions return it.
-    tree = getattr(metadata, "tree", metadata)
-    if not isinstance(tree, dict) or "params" not in tree:
-      keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
-      raise KeyError(f"checkpoint {ckpt_dir}/{step} has no 'params' in its "
-                     f"state (top-level keys: {keys})")
-    wanted = {"params": tree["params"]}
-    restore_args = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointDamagedError(f"{where} is damaged: {_short(e)}") from e
+  if metadata is None:
+    raise CheckpointDamagedError(f"{where} is damaged: its {STATE_ITEM}/ has no "
+                                 "readable metadata (_METADATA)")
+  # Orbax >= 0.11 wraps the tree in TreeMetadata; older versions return it.
+  tree = getattr(metadata, "tree", metadata)
+  if not isinstance(tree, dict) or "params" not in tree:
+    keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+    raise KeyError(f"checkpoint {ckpt_dir}/{step} has no 'params' in its "
+                   f"state (top-level keys: {keys})")
+  wanted = {"params": tree["params"]}
+  restore_args = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+  try:
     restored = manager.restore(
         step,
         args=ocp.args.Composite(**{
@@ -296,7 +609,31 @@ def restore_params(path_or_workdir: str, *,
                 item=wanted, restore_args=restore_args, partial_restore=True),
             META_ITEM: ocp.args.JsonRestore(),
         }))
-  finally:
-    manager.close()
-  meta = restored[META_ITEM]
-  return restored[STATE_ITEM]["params"], dict(meta) if meta is not None else {}
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointDamagedError(f"{where} is damaged: {_short(e)}") from e
+  return restored[STATE_ITEM]["params"], restored[META_ITEM]
+
+
+def stored_config(path_or_workdir: str, meta: dict) -> dict:
+  """The resolved config of the run that wrote a checkpoint, as a dict.
+
+  From the checkpoint's own meta (``checkpoint_meta`` puts it there); for
+  checkpoints written before it did, from the workdir's ``config.json`` (with
+  a warning: a later command on that workdir may have rewritten it).
+  """
+  config = meta.get("config")
+  if isinstance(config, dict):
+    return config
+  path = absolute_path(path_or_workdir)
+  for candidate in (path, path.parent, path.parent.parent):  # workdir, ckpt dir, step dir
+    config_path = candidate / "config.json"
+    if config_path.exists():
+      logging.warning("the checkpoint under %s does not hold its config (written by an "
+                      "older version); reading %s instead", path, config_path)
+      try:
+        return json.loads(config_path.read_text())
+      except ValueError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+  raise FileNotFoundError(
+      f"the checkpoint under {path} holds no config and there is no config.json in "
+      "its workdir: pass the pretraining run's workdir")

@@ -164,30 +164,172 @@ def _architecture(config) -> dict:
   return out
 
 
+def _json_config(config) -> dict:
+  """The resolved config as plain JSON types (what config.json holds)."""
+  d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  return json.loads(json.dumps(d, default=str))
+
+
 def checkpoint_meta(config, step: int) -> dict:
+  """The JSON meta saved with every checkpoint: the step, the architecture
+  (for the resume check) and the whole resolved config, so that every reader
+  of the checkpoint (export, sampling, fine-tuning) takes the config it was
+  trained with, not a config.json a later command could have rewritten."""
   arch = _architecture(config)
   return {"step": step, "architecture": arch,
           "architecture_hash": hashlib.sha1(
-              json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()}
+              json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest(),
+          "config": _json_config(config)}
+
+
+def config_diff(old, new, prefix: str = "") -> list[str]:
+  """``["a.b: 1 -> 2", ...]`` for every leaf key whose value differs
+  (recursively through dicts; a key on one side only shows as ``None``)."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+      out += config_diff(old.get(key), new.get(key), f"{prefix}{key}.")
+    return out
+  if old != new:
+    # JSON turns tuples into lists: the same value, not a change.
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) \
+        and list(old) == list(new):
+      return []
+    return [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+  return []
+
+
+def short_diff(diffs: list[str], limit: int = 6) -> str:
+  return "; ".join(diffs[:limit]) + (f"; ... ({len(diffs)} keys in all)"
+                                     if len(diffs) > limit else "")
 
 
 def check_resume_compatible(meta: dict, config) -> None:
-  """A workdir's checkpoint from another architecture gives a clear error."""
+  """A workdir's checkpoint from another architecture gives a clear error
+  naming the changed keys (and only those)."""
   saved = meta.get("architecture")
   if saved is None:
     return
-  now = _architecture(config)
-  if saved != now:
-    diffs = []
-    for key in sorted(set(saved) | set(now)):
-      a, b = saved.get(key), now.get(key)
-      if isinstance(a, dict) and isinstance(b, dict):
-        diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}"
-                  for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-      elif a != b:
-        diffs.append(f"{key}: {a!r} -> {b!r}")
+  now = json.loads(json.dumps(_architecture(config), default=str))
+  diffs = config_diff(saved, now)
+  if diffs:
     raise ValueError("the workdir holds a checkpoint of another architecture ("
-                     + "; ".join(diffs) + "); use a new --workdir or restore the config")
+                     + short_diff(diffs) + "); use a new --workdir or restore the config")
+
+
+# Keys whose change says nothing about the state's shape: left out when a
+# state mismatch lists the config keys that changed since the checkpoint.
+RUN_LENGTH_KEYS = ("total_steps", "total_epochs", "stop_after_steps", "log_every_steps",
+                   "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints")
+
+
+def changed_keys(meta: dict, config) -> list[str]:
+  """The config keys that differ between a checkpoint's run and ``config``
+  (empty for checkpoints that do not hold their config)."""
+  saved = meta.get("config")
+  if not isinstance(saved, dict):
+    return []
+  diffs = config_diff(saved, _json_config(config))
+  return [d for d in diffs if d.split(":")[0] not in RUN_LENGTH_KEYS]
+
+
+# ------------------------------------------------------------------ validation
+
+
+class ConfigError(ValueError):
+  """A config value that no run can use; the message names the key and the fix."""
+
+
+def _check(config, dotted: str, ok, want: str, example) -> None:
+  node = config
+  for key in dotted.split("."):
+    if not hasattr(node, "keys") or key not in node:
+      return                       # trainers without this key
+    node = node[key]
+  value = node
+  is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  good = is_number and math.isfinite(value) and ok(value)
+  if not good:
+    raise ConfigError(f"config.{dotted} must be {want}, got {value!r}: set "
+                      f"--config.{dotted}={example}")
+
+
+def _int(lo):
+  return lambda v: float(v).is_integer() and v >= lo
+
+
+# (key, test, what it must be, an example value). Keys a trainer's config
+# does not have are skipped.
+_RULES = [
+    ("batch_size", _int(1), "a positive integer", 128),
+    ("eval_batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("total_steps", _int(0), "an integer >= 0 (0: use total_epochs)", 1000),
+    ("total_epochs", lambda v: v >= 0, "a number >= 0", 1.0),
+    ("log_every_steps", _int(1), "a positive integer", 50),
+    ("checkpoint_every_steps", _int(1), "a positive integer", 1000),
+    ("eval_every_steps", _int(0), "an integer >= 0 (0: never)", 1000),
+    ("eval_max_batches", _int(0), "an integer >= 0 (0: the whole split)", 0),
+    ("keep_checkpoints", _int(1), "an integer >= 1 (checkpoints kept)", 3),
+    ("stop_after_steps", _int(0), "an integer >= 0 (0: run to the end)", 0),
+    ("seed", _int(0), "an integer >= 0", 0),
+    ("label_smoothing", lambda v: 0 <= v < 1, "in [0, 1)", 0.1),
+    ("ema_decay", lambda v: 0 <= v < 1, "in [0, 1)", 0.0),
+    ("optim.base_lr", lambda v: v > 0, "a positive number", 1e-3),
+    ("optim.eps", lambda v: v > 0, "a positive number", 1e-8),
+    ("optim.b1", lambda v: 0 <= v < 1, "in [0, 1)", 0.9),
+    ("optim.b2", lambda v: 0 <= v < 1, "in [0, 1)", 0.95),
+    ("optim.momentum", lambda v: 0 <= v <= 1, "in [0, 1]", 0.9),
+    ("optim.weight_decay", lambda v: v >= 0, "a number >= 0", 0.05),
+    ("optim.warmup_steps", _int(-1), "an integer >= -1 (-1: use warmup_epochs)", 100),
+    ("optim.warmup_epochs", lambda v: v >= 0, "a number >= 0", 0.0),
+    ("optim.end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]", 0.0),
+    ("optim.grad_clip_norm", lambda v: v >= 0, "a number >= 0 (0: off)", 1.0),
+    ("optim.layer_decay", lambda v: 0 <= v <= 1, "in [0, 1] (0: off)", 0.75),
+    ("optim.num_layers", _int(0), "an integer >= 0", 0),
+    ("model.image_size", _int(1), "a positive integer", 224),
+    ("model.channels", _int(1), "a positive integer", 3),
+    ("model.width", _int(0), "an integer >= 0 (0: the variant's)", 0),
+    ("model.depth", _int(0), "an integer >= 0 (0: the variant's)", 0),
+    ("model.num_heads", _int(0), "an integer >= 0 (0: the variant's)", 0),
+    ("model.mlp_dim", _int(0), "an integer >= 0 (0: the variant's)", 0),
+    ("model.reference_image_size", _int(0), "an integer >= 0 (0: image_size)", 0),
+    ("model.rope_max_wavelength", lambda v: v > 0, "a positive number", 10000.0),
+    ("model.drop_path", lambda v: 0 <= v < 1, "in [0, 1)", 0.1),
+    ("model.ordering_block", _int(1), "a positive integer", 2),
+    ("data.image_size", _int(1), "a positive integer", 224),
+    ("data.channels", _int(1), "a positive integer", 3),
+    ("data.val_split_size", _int(0), "an integer >= 0", 5000),
+    ("data.num_workers", _int(-1), "an integer >= -1 (-1: automatic)", -1),
+    ("decoder.depth", _int(1), "a positive integer", 1),
+    ("decoder.width", _int(0), "an integer >= 0 (0: the backbone's)", 0),
+    ("decoder.num_heads", _int(0), "an integer >= 0 (0: the backbone's)", 0),
+    ("loss.noise_a", lambda v: v > 0, "a positive number", 0.03),
+    ("loss.noise_b", lambda v: v > 0, "a positive number", 1.0),
+    ("loss.noise_samples", _int(1), "a positive integer", 1),
+    ("loss.gamma_bins", _int(1), "a positive integer", 10),
+    ("loss.eval_gammas", _int(1), "a positive integer", 8),
+    ("predictions.num_images", _int(0), "an integer >= 0", 8),
+    ("predictions.num_steps", _int(1), "a positive integer", 100),
+    ("sample.num_images", _int(1), "a positive integer", 16),
+    ("sample.num_samples", _int(1), "a positive integer", 4),
+    ("sample.num_steps", _int(1), "a positive integer", 1000),
+    ("sample.temperature", lambda v: v >= 0, "a number >= 0", 1.0),
+    ("sample.classifier_steps", _int(0), "an integer >= 0", 0),
+]
+
+
+def validate(config) -> None:
+  """Fails on the first config value no run can use, with one line naming the
+  key and a value that works. Called before anything is written or compiled:
+  a zero interval would otherwise fail with ZeroDivisionError only once
+  training has started, and keep_checkpoints=0 would keep no checkpoint."""
+  for dotted, ok, want, example in _RULES:
+    _check(config, dotted, ok, want, example)
+  mesh = config.get("mesh")
+  if mesh is not None:
+    for axis in mesh.keys():
+      _check(config, f"mesh.{axis}", lambda v: v == -1 or _int(1)(v),
+             "-1 (all remaining devices) or a positive integer", 1)
 
 
 def config_node(config, dotted: str):

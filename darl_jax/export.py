@@ -11,10 +11,12 @@ read-out). The sidecar is also embedded in the safetensors header metadata
 (key ``darl_sidecar``), so a lone ``.safetensors`` file still loads.
 ``darl_jax/torch_backbone.py`` rebuilds the backbone in PyTorch from the pair.
 
-Export needs neither PyTorch nor a model: the config comes from the workdir's
-``config.json`` (written by the training loop), the parameters from
-``checkpoint.restore_params`` as host numpy arrays, and the tensors are written
-with ``safetensors.numpy``.
+Export needs neither PyTorch nor a model: the parameters come from
+``checkpoint.restore_params`` as host numpy arrays, the config from the same
+checkpoint's meta (the config it was trained with; a ``config.json`` that a
+later command rewrote does not matter; checkpoints from before the meta held
+the config fall back to the workdir's ``config.json``), and the tensors are
+written with ``safetensors.numpy``.
 
 Name and layout conventions (Flax -> PyTorch):
 
@@ -59,39 +61,20 @@ class ExportError(ValueError):
 # ------------------------------------------------------------------ config
 
 
-def find_config_json(checkpoint: str) -> epath.Path:
-  """The ``config.json`` of a workdir, given the workdir or a path inside it.
-
-  Accepts what ``checkpoint.restore_params`` accepts: the workdir itself,
-  ``<workdir>/checkpoints`` or a step directory ``<workdir>/checkpoints/<step>``.
-  """
-  path = epath.Path(checkpoint)
-  if not path.exists():
-    raise ExportError(f"no DARL checkpoint at {path}: the path does not exist")
-  if (path / "config.json").exists() or (path / "checkpoints").is_dir():
-    workdir = path
-  elif path.name.isdigit():
-    workdir = path.parent.parent
-  else:
-    workdir = path.parent
-  config_path = workdir / "config.json"
-  if not config_path.exists():
-    raise ExportError(
-        f"{path} is not a DARL training workdir: no {config_path} (the resolved "
-        "config the training loop writes). Pass the workdir, its checkpoints/ or "
-        "checkpoints/<step>/ directory, or give the config with --config_json=<path>")
-  return config_path
-
-
 def load_config(config_path) -> dict:
   """Reads a resolved config (``config.json``) and checks it describes a DARL model."""
   try:
     config = json.loads(epath.Path(config_path).read_text())
   except json.JSONDecodeError as e:
     raise ExportError(f"{config_path} is not valid JSON: {e}") from e
+  return check_config(config, config_path)
+
+
+def check_config(config, where) -> dict:
+  """``config`` if it describes a DARL model (has ``model.variant``)."""
   model = config.get("model") if isinstance(config, dict) else None
   if not isinstance(model, dict) or "variant" not in model:
-    raise ExportError(f"{config_path} is not a DARL config: it has no model.variant "
+    raise ExportError(f"{where} is not a DARL config: it has no model.variant "
                       "(expected the config.json a darl_jax training run writes)")
   return config
 
@@ -365,17 +348,31 @@ def export_params(params: dict, config: dict, out: str, *, with_decoder: bool = 
 
 def export(checkpoint: str, out: str, *, with_decoder: bool = False,
            step: int | None = None, config_json: str | None = None):
-  """Reads a DARL checkpoint and its config and writes the export (see module doc)."""
+  """Reads a DARL checkpoint and its config and writes the export (see module doc).
+
+  The config is ``config_json`` if given, else the one stored in the
+  checkpoint (``checkpoint.stored_config``)."""
   from darl_jax import checkpoint as checkpoint_lib
 
-  config = load_config(config_json or find_config_json(checkpoint))
-  backbone_spec(config)          # fail on a bad config before reading any array
+  if config_json:
+    config = load_config(config_json)
+    backbone_spec(config)        # fail on a bad config before reading any array
+  elif not epath.Path(checkpoint).exists():
+    raise ExportError(f"no DARL checkpoint at {checkpoint}: the path does not exist")
   try:
     params, meta = checkpoint_lib.restore_params(checkpoint, step=step)
   except FileNotFoundError as e:     # its message names what was expected
     raise ExportError(str(e)) from e
   except KeyError as e:              # a checkpoint whose state has no params
     raise ExportError(f"not a DARL checkpoint: {e.args[0]}") from e
+  except checkpoint_lib.CheckpointDamagedError as e:
+    raise ExportError(str(e)) from e
+  if not config_json:
+    try:
+      config = check_config(checkpoint_lib.stored_config(checkpoint, meta),
+                            f"the config of {checkpoint}")
+    except (FileNotFoundError, ValueError) as e:
+      raise ExportError(f"{e}; or give the config with --config_json=<path>") from e
   source = {"checkpoint": str(checkpoint), "step": meta.get("step", step)}
   return export_params(params, config, out, with_decoder=with_decoder, source=source)
 
@@ -393,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--step", type=int, default=None,
                       help="checkpoint step (default: the newest)")
   parser.add_argument("--config_json", default=None,
-                      help="the run's config.json if it is not in the workdir")
+                      help="a config.json to use instead of the config stored in the "
+                           "checkpoint (needed only for checkpoints that lack it)")
   args = parser.parse_args(argv)
+  from darl_jax import checkpoint as checkpoint_lib
+  checkpoint_lib.drop_closed_loop_reports()
   try:
     st_path, json_path = export(args.checkpoint, args.out, with_decoder=args.with_decoder,
                                 step=args.step, config_json=args.config_json)

@@ -8,6 +8,7 @@ workdir resumes from the newest complete checkpoint.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -48,11 +49,62 @@ def _quiet_library_logs():
 
   logging.get_absl_handler().addFilter(DropChatter())
 
+  from darl_jax import checkpoint
+  checkpoint.drop_closed_loop_reports()
+
+
+def _traceback_file(workdir: str | None, exc: BaseException) -> str | None:
+  """Writes the traceback of an unexpected error beside the run (or into the
+  temporary directory); returns the path, None if nothing could be written."""
+  import tempfile
+  import traceback
+  text = "".join(traceback.format_exception(exc))
+  candidates = []
+  if workdir and "://" not in workdir and os.path.isdir(workdir):
+    candidates.append(os.path.join(workdir, "error.log"))
+  candidates.append(os.path.join(tempfile.gettempdir(), f"darl_jax_error_{os.getpid()}.log"))
+  for path in candidates:
+    try:
+      with open(path, "w") as f:
+        f.write(text)
+      return path
+    except OSError:
+      continue
+  return None
+
+
+class Terminated(Exception):
+  """SIGTERM (a preemption, a scheduler's stop) as an exception, so that the
+  loop's clean-up runs: the checkpoint save in flight is finished, the lock
+  released."""
+
+
+def _raise_terminated(signum, frame):
+  del signum, frame
+  raise Terminated()
+
+
+def _fail(message: str, code: int = 1):
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(code)
+
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _CONFIG.value is None:
+  try:
+    config = _CONFIG.value
+    if config is not None:
+      config.get("trainer")      # a file that failed to load raises on first use
+  except Exception as e:  # pylint: disable=broad-except
+    # config_flags loads the file lazily, on first use, and wraps its errors.
+    path = _config_path(sys.argv)
+    if path and not os.path.exists(path):
+      _fail(f"the --config file {path} does not exist")
+    while e.__cause__ is not None:
+      e = e.__cause__
+    _fail(f"cannot load --config {path}: {type(e).__name__}: {' '.join(str(e).split())}")
+  if config is None:
     raise app.UsageError("--config is required, e.g. --config=experiments/fashion_mnist_diff.py")
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (a local path or gs://bucket/dir)")
@@ -63,23 +115,45 @@ def main(argv):
     # Multi-host jobs connect here, before anything touches a device.
     distributed.initialize()
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    _fail(str(e))
   from darl_jax.train import loop
-  config = _CONFIG.value
+  signal.signal(signal.SIGTERM, _raise_terminated)
   try:
     trainer = get_trainer(config.trainer)(config)
     loop.run(trainer, config, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, loop.NonFiniteError) as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  except KeyboardInterrupt:
+    _fail("interrupted; rerun the same command to resume from the last checkpoint", 130)
+  except Terminated:
+    _fail("terminated (SIGTERM); rerun the same command to resume from the last "
+          "checkpoint", 143)
+  except (ValueError, OSError, loop.NonFiniteError) as e:
+    # User errors (bad values, missing files, a refused resume, a busy or
+    # unwritable workdir, a diverged run): their message names the fix.
+    # OSError covers unreadable data files. One line, no traceback.
+    _fail(" ".join(str(e).split()) or type(e).__name__)
+  except Exception as e:  # pylint: disable=broad-except
+    # Anything else is a bug, here or in a library: still one line on the
+    # console (the checkpoints are safe, the loop saw to that), and the
+    # traceback in a file for the bug report.
+    where = _traceback_file(_WORKDIR.value, e)
+    _fail(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+          + (f" (traceback in {where})" if where else ""))
+
+
+def _config_arg(argv) -> str | None:
+  return next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+
+
+def _config_path(argv) -> str | None:
+  """The file of ``--config=<file>[:args]``."""
+  cfg_arg = _config_arg(argv)
+  return cfg_arg.partition(":")[0] if cfg_arg else None
 
 
 def _unknown_override(argv) -> str | None:
   """Names the first ``--config.a.b=...`` whose key the config file lacks."""
   import runpy
-  cfg_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  cfg_arg = _config_arg(argv)
   if cfg_arg is None:
     return None
   path, _, arg = cfg_arg.partition(":")
@@ -95,15 +169,34 @@ def _unknown_override(argv) -> str | None:
   return None
 
 
+def _parse_flags(argv):
+  """absl's flag parsing with every error as one ``error:`` line (exit 2):
+  an unknown ``--config.*`` key (config_flags raises AttributeError/KeyError
+  while applying overrides), a value of the wrong type, an unknown flag."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    message = " ".join(str(e).split())
+  except (AttributeError, KeyError) as e:
+    message = _unknown_override(argv) or f"bad config override: {e}"
+  except Exception as e:  # pylint: disable=broad-except
+    # The config file itself fails while it is loaded (a syntax error, an
+    # exception in get_config).
+    path = _config_path(argv)
+    if path and not os.path.exists(path):
+      message = f"the --config file {path} does not exist"
+    else:
+      message = (f"cannot load --config {path}: {type(e).__name__}: "
+                 f"{' '.join(str(e).split())[:500]}")
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def cli():
   logging.set_verbosity(logging.INFO)
-  try:
-    app.run(main)
-  except (AttributeError, KeyError) as e:
-    # Config overrides are applied while absl parses flags, before main().
-    message = _unknown_override(sys.argv) or f"bad config override: {e}"
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+  # main() turns every error into one line itself; what escapes app.run comes
+  # from flag parsing (_parse_flags) or is SystemExit.
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 ``<workdir>/metrics.jsonl`` is the source of truth: one JSON object per
 ``write_scalars`` call, flushed immediately, so a killed run keeps everything it
-logged and analysis scripts need nothing but ``json``. TensorBoard is a
+logged and analysis scripts need nothing but ``json``. A resumed run first
+drops the records past the step it resumes from (``MetricWriter.start``), so
+after any number of kills every logged step appears once. TensorBoard is a
 convenience view of the same numbers, written through the first backend that
 imports:
 
@@ -30,6 +32,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from absl import logging
 from etils import epath
+
+from darl_jax import files
 
 
 def _to_json_number(name: str, value: Any) -> int | float | None:
@@ -151,28 +155,51 @@ class MetricWriter:
                tensorboard: bool = True):
     self._workdir = epath.Path(workdir)
     self._enabled = is_main_process
+    self._tensorboard = tensorboard
     self._file = None
     self._tb = None
-    if not self._enabled:
+    # Nothing touches the disk before the first write or ``start``: a run
+    # refused at start-up (a resume check, a bad value) leaves the workdir as
+    # it was.
+
+  def _open(self) -> None:
+    if not self._enabled or self._file is not None:
       return
     self._workdir.mkdir(parents=True, exist_ok=True)
-    # Append: a resumed run continues the same file. Steps logged after the
-    # last checkpoint of a killed run appear twice; readers keep the last one.
+    # Append: a resumed run continues the same file (``start`` first drops
+    # the records a killed run logged past its last checkpoint).
     self._file = (self._workdir / "metrics.jsonl").open("a")
-    if tensorboard:
+    if self._tensorboard:
       logdir = self._workdir / "tensorboard"
       logdir.mkdir(parents=True, exist_ok=True)
       self._tb = _make_tensorboard_backend(str(logdir))
 
+  def start(self, step: int | None, config_dict: Mapping[str, Any] | None = None) -> None:
+    """Begins writing for a run that (re)starts after ``step``: drops the
+    records of later steps from metrics.jsonl (a killed run's steps past its
+    last checkpoint, which this run logs again; None drops every record),
+    writes ``config.json`` (if given) and opens the writers."""
+    if not self._enabled:
+      return
+    if self._file is not None:
+      raise RuntimeError("MetricWriter.start must come before the first write")
+    drop_records_after(self._workdir, step)
+    self._open()
+    if config_dict is not None:
+      self.write_config(config_dict)
+
   @property
   def tensorboard_backend(self) -> str | None:
-    """Name of the TensorBoard backend in use, None if there is none."""
+    """Name of the TensorBoard backend in use, None if there is none (opens
+    the writers, as a first write would)."""
+    self._open()
     return self._tb.name if self._tb is not None else None
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Appends ``{"step": step, **scalars}`` to metrics.jsonl and TensorBoard."""
     if not self._enabled:
       return
+    self._open()
     step = int(step)
     record = {"step": step}
     for key, value in scalars.items():
@@ -191,7 +218,10 @@ class MetricWriter:
     Accepts uint8, or floats in [0, 1] (clipped). C is 1 or 3. A no-op when no
     TensorBoard backend is available.
     """
-    if not self._enabled or self._tb is None:
+    if not self._enabled:
+      return
+    self._open()
+    if self._tb is None:
       return
     prepared = {}
     for key, value in images.items():
@@ -209,13 +239,19 @@ class MetricWriter:
     self._tb.images(int(step), prepared)
 
   def write_config(self, config_dict: Mapping[str, Any]) -> None:
-    """Writes ``<workdir>/config.json`` (indent 2, sorted keys) + TB text."""
+    """Writes ``<workdir>/config.json`` (indent 2, sorted keys) + TB text.
+
+    Atomically (temporary file + rename): a run killed while writing leaves
+    the previous file, never a torn one. The loop calls it only once every
+    resume check has passed; readers of a checkpoint take the config stored
+    in the checkpoint itself, so this file is for humans and old checkpoints.
+    """
     if not self._enabled:
       return
     # default=str keeps odd values (tuples become lists anyway; dtypes, paths,
     # callables) from aborting a run at startup just to log its config.
     text = json.dumps(dict(config_dict), indent=2, sort_keys=True, default=str)
-    (self._workdir / "config.json").write_text(text + "\n")
+    files.write_text_atomic(self._workdir / "config.json", text + "\n")
     if self._tb is not None:
       # TensorBoard renders text as markdown: indent to get a code block.
       self._tb.text(0, "config", "\n".join("    " + l for l in text.splitlines()))
@@ -265,6 +301,66 @@ def read_metrics(workdir: str) -> list[dict]:
         continue
       raise
   return records
+
+
+def drop_records_after(workdir, step: int | None) -> int:
+  """Rewrites ``<workdir>/metrics.jsonl`` without the records of steps after
+  ``step`` (None: without any record), atomically; returns how many were
+  dropped. A torn last line (a writer killed mid-line) goes too."""
+  path = epath.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return 0
+  kept, dropped = [], 0
+  for line in path.read_text().splitlines():
+    if not line.strip():
+      continue
+    try:
+      record_step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+      dropped += 1
+      continue
+    if step is None or (isinstance(record_step, (int, float)) and record_step > step):
+      dropped += 1
+    else:
+      kept.append(line)
+  if dropped:
+    logging.info("metrics.jsonl: dropped %d record(s) after step %s, which this run "
+                 "logs again", dropped, step)
+    files.write_text_atomic(path, "".join(l + "\n" for l in kept))
+  return dropped
+
+
+def window_mean(history: list[dict], carry: dict | None = None) -> dict:
+  """The mean of each scalar metric over a log window.
+
+  ``history``: the window's per-step metric dicts (host values). ``carry``:
+  the part of the window that a resumed run did not see (``window_carry`` of
+  the steps before the checkpoint, stored in its meta), so that the first
+  window after a resume averages the same steps as in an uninterrupted run.
+  NaNs are left out of the mean; a metric with no finite value in the window
+  reports its last value.
+  """
+  carry = window_carry(history, carry)
+  return {k: (total / count if finite and count else last)
+          for k, (total, count, last, finite) in carry.items()}
+
+
+def window_carry(history: list[dict], carry: dict | None = None) -> dict:
+  """A log window so far, JSON-safe (``window_mean``'s ``carry``): per metric
+  ``[sum of the non-NaN values, their count, the last value, whether any
+  value was finite]`` (the sum may be infinite: Python's json keeps it)."""
+  out = {k: list(v) for k, v in (carry or {}).items()}
+  for k in (history[0] if history else {}):
+    vals = np.asarray([m[k] for m in history], np.float64)
+    if vals.ndim != 1:
+      continue
+    total, count, _, finite = out.get(k, (0.0, 0, None, False))
+    real = vals[~np.isnan(vals)]
+    with np.errstate(all="ignore"):
+      total = float(total + real.sum())
+    out[k] = [total, int(count + real.size), float(vals[-1]),
+              bool(finite or np.isfinite(vals).any())]
+  return out
 
 
 def final_metrics(workdir: str) -> dict:

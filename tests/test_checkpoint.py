@@ -3,6 +3,7 @@
 import glob
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from darl_jax.checkpoint import Checkpointer, restore_params
+from darl_jax.checkpoint import (DAMAGED_DIR, CheckpointDamagedError, Checkpointer,
+                                 StateMismatchError, restore_params)
 from xla_env import cpu_devices_flags
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -325,3 +327,131 @@ def test_restore_params_requires_params_key(tmp_path):
   ckpt.close()
   with pytest.raises(KeyError, match="no 'params'"):
     restore_params(str(tmp_path))
+
+
+# ---------------------------------------------- damaged checkpoints (issue 34)
+
+
+def _truncate(path):
+  for f in path.iterdir():
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _zero(path):
+  for f in (path.iterdir() if path.is_dir() else [path]):
+    f.write_bytes(b"\0" * f.stat().st_size)
+
+
+def _remove(path):
+  shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _empty(step_dir):
+  for p in step_dir.iterdir():
+    _remove(p)
+
+
+# How a committed checkpoint gets damaged: a disk error or a copy cut short
+# (truncated or zeroed data), files deleted by hand, a save whose files never
+# arrived (an empty step folder).
+DAMAGE = {
+    "truncated data": lambda s: _truncate(s / "state" / "d"),
+    "zeroed data": lambda s: _zero(s / "state" / "d"),
+    "no data file": lambda s: _remove(s / "state" / "d"),
+    "no manifest": lambda s: _remove(s / "state" / "manifest.ocdbt"),
+    "zeroed manifest": lambda s: _zero(s / "state" / "manifest.ocdbt"),
+    "no _METADATA": lambda s: _remove(s / "state" / "_METADATA"),
+    "zeroed _METADATA": lambda s: _zero(s / "state" / "_METADATA"),
+    "no meta item": lambda s: _remove(s / "meta"),
+    "zeroed meta": lambda s: _zero(s / "meta" / "metadata"),
+    "no state item": lambda s: _remove(s / "state"),
+    "empty step folder": _empty,
+}
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+  d = tmp_path_factory.mktemp("three") / "checkpoints"
+  with Checkpointer(str(d)) as ckpt:
+    for step in (1, 2, 3):
+      ckpt.save(step, {**_make_state(step), "step": jnp.asarray(step, jnp.int32)},
+                {"step": step})
+  return d
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_restore_walks_back_past_a_damaged_newest_checkpoint(three_checkpoints, tmp_path,
+                                                            damage, caplog):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  DAMAGE[damage](d / "3")
+  expected = _make_state(2)
+
+  # Readers skip it (and leave it where it is) ...
+  params, meta = restore_params(str(tmp_path))
+  assert meta == {"step": 2}
+  _assert_trees_equal(params, jax.device_get(expected["params"]))
+  assert (d / "3").exists()
+  with pytest.raises(CheckpointDamagedError, match=f"{d}/3 is damaged"):
+    restore_params(str(tmp_path), step=3)
+
+  # ... the training run restores the previous one and moves the damaged one
+  # aside, so that it no longer counts for keep-N.
+  ckpt = Checkpointer(str(d))
+  step, state, meta = ckpt.restore_newest(_abstract({**expected, "step": expected["step"]}))
+  assert (step, meta) == (2, {"step": 2})
+  _assert_trees_equal(state["params"], expected["params"])
+  assert ckpt.all_steps() == [1, 2] and not (d / "3").exists()
+  assert (tmp_path / DAMAGED_DIR / "3" / "DAMAGED.txt").exists()
+  assert "skipped the damaged checkpoint at step 3" in caplog.text
+  ckpt.close()
+
+
+def test_a_state_that_does_not_fit_is_not_damage(three_checkpoints, tmp_path):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  state = _make_state()
+  sgd = {**state, "opt_state": optax.sgd(0.1, momentum=0.9).init(state["params"])}
+  ckpt = Checkpointer(str(d))
+  with pytest.raises(StateMismatchError, match=(
+      r"only in the checkpoint: opt_state/0/count, opt_state/0/mu/\* \(3\), "
+      r"opt_state/0/nu/\* \(3\); only in this run: opt_state/0/trace/\* \(3\)")):
+    ckpt.restore_newest(_abstract(sgd))
+  # A config check that refuses is not damage either.
+  with pytest.raises(ValueError, match="refused"):
+    ckpt.restore_newest(_abstract(state), lambda meta: (_ for _ in ()).throw(
+        ValueError("refused")))
+  assert ckpt.all_steps() == [1, 2, 3]
+  ckpt.close()
+
+
+def test_prune_removes_checkpoints_beyond_keep(three_checkpoints, tmp_path):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  ckpt = Checkpointer(str(d), max_to_keep=2)
+  assert ckpt.prune(2) == [1]
+  assert ckpt.all_steps() == [2, 3] and sorted(os.listdir(d)) == ["2", "3"]
+  ckpt.close()
+
+
+def test_an_error_during_an_async_save_leaves_the_previous_checkpoints(tmp_path):
+  d = tmp_path / "ck"
+  with pytest.raises(RuntimeError, match="boom"):
+    with Checkpointer(str(d), max_to_keep=2) as ckpt:
+      for step in (1, 2):
+        ckpt.save(step, {"w": jnp.full((512, 512), step)}, {"step": step})
+      raise RuntimeError("boom")           # while the save of 2 is in flight
+  assert sorted(os.listdir(d)) == ["1", "2"]
+  # A save that fails itself is removed, and the earlier ones stay.
+  ckpt = Checkpointer(str(d), max_to_keep=3)
+  ckpt.save(3, {"w": jnp.full((512, 512), 3)}, {"step": 3})
+  real_wait = ckpt._manager.wait_until_finished
+
+  def save_fails():
+    # What a save that fails in its background thread leaves: no commit.
+    real_wait()
+    os.rename(d / "3", d / "3.orbax-checkpoint-tmp-1")
+    raise OSError("disk full")
+  ckpt._manager.wait_until_finished = save_fails
+  ckpt.finish_or_abandon()
+  assert sorted(os.listdir(d)) == ["1", "2"]

@@ -462,19 +462,25 @@ def test_scan_layers_checkpoint_is_unstacked(tmp_path):
 def test_cli_error_for_a_path_that_is_not_a_workdir(tmp_path):
   proc = run_cli(f"--checkpoint={tmp_path}", f"--out={tmp_path / 'x.safetensors'}")
   assert proc.returncode == 1
-  assert "error:" in proc.stderr and "not a DARL training workdir" in proc.stderr
-  assert "config.json" in proc.stderr
+  assert "error:" in proc.stderr and "no DARL checkpoint found" in proc.stderr
+  assert "checkpoints/<step>/ (a training workdir)" in proc.stderr
 
 
 def test_errors_name_the_problem(tmp_path):
   out = str(tmp_path / "x.safetensors")
   with pytest.raises(export.ExportError, match="does not exist"):
     export.export(str(tmp_path / "missing"), out)
-  # A config.json that is not a DARL config.
-  (tmp_path / "other").mkdir()
-  (tmp_path / "other" / "config.json").write_text(json.dumps({"lr": 0.1}))
+  # A checkpoint without a stored config whose config.json is not a DARL config.
+  cfg = model_config()
+  backbone, patch = vit_lib.vit_from_config(ml_collections.ConfigDict(cfg["model"]))
+  params = random_params(heads.Classifier(backbone, patch, 2), images(1, 8, 8))
+  make_checkpoint(tmp_path / "other", params, {"lr": 0.1})
   with pytest.raises(export.ExportError, match="not a DARL config"):
     export.export(str(tmp_path / "other"), out)
+  # ... and one without any config.
+  make_checkpoint(tmp_path / "bare", params, None)
+  with pytest.raises(export.ExportError, match="holds no config.*--config_json"):
+    export.export(str(tmp_path / "bare"), out)
   # A DARL config but no checkpoint.
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "config.json").write_text(json.dumps(model_config()))

@@ -321,7 +321,7 @@ def test_sample_trainer_errors_name_the_fix(tmp_path):
   with pytest.raises(ValueError, match="init_from"):
     sample_lib.SampleTrainer(c)
   c.init_from = str(tmp_path)
-  with pytest.raises(FileNotFoundError, match="config.json"):
+  with pytest.raises(FileNotFoundError, match="no DARL checkpoint found.*--config.init_from"):
     sample_lib.SampleTrainer(c)
   pre = _fake_pretraining_run(tmp_path, {})
   pre.decoder.kind = "mlp"                       # config.json now disagrees with the weights

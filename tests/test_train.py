@@ -216,7 +216,7 @@ class NaNTrainer(pretrain.PretrainTrainer):
 
 def test_nonfinite_loss_stops_before_any_checkpoint(tmp_path):
   config = _tiny()
-  with pytest.raises(loop.NonFiniteError, match="non-finite loss or gradient norm at step 0"):
+  with pytest.raises(loop.NonFiniteError, match="non-finite loss or gradient norm at step 1 "):
     loop.run(NaNTrainer(config), config, str(tmp_path))
   assert checkpoint_lib.Checkpointer(str(tmp_path / "checkpoints")).latest_step() is None
 

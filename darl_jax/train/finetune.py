@@ -102,7 +102,8 @@ def restore_backbone(ctx, config, params):
     return params
   step = config.get("init_step", -1)
   merged, report = transfer.restore_into(params, init_from,
-                                         step=None if step is None or step < 0 else step)
+                                         step=None if step is None or step < 0 else step,
+                                         model_config=config.get("model"))
   transfer.write_report(ctx.workdir, report)
   return merged
 

@@ -8,6 +8,8 @@ trainer artifacts.
 State is a dict ``{step, params, opt_state, model_state, bad_step}``:
 ``model_state`` holds non-trained collections (e.g. BatchNorm statistics),
 ``bad_step`` the first step whose loss or gradient was non-finite (-1 if none).
+Steps are numbered one way everywhere: step n is the update that makes the
+step counter n, and metrics.jsonl's record ``step: n`` covers it.
 A non-finite step leaves the state untouched, so no NaN can reach a checkpoint;
 the loop then stops with the step and the metric named (or, with
 ``skip_nonfinite``, counts the skipped steps and goes on).
@@ -20,6 +22,7 @@ an uninterrupted one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -40,6 +43,7 @@ from darl_jax import data as data_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
+from darl_jax import workdir as workdir_lib
 from darl_jax.kernels import select
 from darl_jax.train import feed as feed_lib
 
@@ -122,16 +126,9 @@ to_global = feed_lib.to_global
 model_input = feed_lib.model_input
 
 
-def _mean_metrics(history: list[dict]) -> dict:
-  fetched = jax.device_get(history)
-  out = {}
-  for k in fetched[0]:
-    vals = np.asarray([m[k] for m in fetched], np.float64)
-    if vals.ndim != 1:
-      continue
-    with np.errstate(all="ignore"):
-      out[k] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float(vals[-1])
-  return out
+def _mean_metrics(history: list[dict], carry: dict | None = None) -> dict:
+  """The window's mean metrics (``carry``: metrics_lib.window_mean)."""
+  return metrics_lib.window_mean(jax.device_get(history), carry)
 
 
 def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> dict:
@@ -213,7 +210,8 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None) 
         "params": keep(params, state["params"]),
         "opt_state": keep(opt_state, state["opt_state"]),
         "model_state": keep(model_state, state["model_state"]),
-        "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"],
+        # Numbered as logged: the update that makes the step counter n is step n.
+        "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"] + 1,
                               state["bad_step"]),
     }
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
@@ -273,18 +271,34 @@ def enable_compilation_cache(config) -> None:
 
 
 def run(trainer: Trainer, config, workdir: str) -> dict:
-  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics."""
-  # ------------------------------------------------------------------ workdir
+  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics.
+
+  Nothing is written before every config value passed ``config_lib.validate``
+  and the workdir is usable and locked (workdir.py: one run per workdir);
+  config.json and metrics.jsonl only once every resume check passed. Whatever
+  the loop raises, the checkpoint save in flight is finished or removed
+  (``Checkpointer.__exit__``), so the previous complete checkpoint survives
+  and no temporary folder is left, and the lock is released.
+  """
+  config_lib.validate(config)
   # Orbax wants absolute paths; a relative local --workdir (as in the README)
   # is taken relative to the current directory. URLs (gs://...) stay as given.
-  if "://" not in str(workdir):
-    workdir = os.path.abspath(workdir)
-  workdir = epath.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir = workdir_lib.prepare(workdir)
+  with contextlib.ExitStack() as cleanup:
+    cleanup.enter_context(workdir_lib.hold(workdir, is_main=jax.process_index() == 0))
+    return _run(trainer, config, workdir, cleanup)
+
+
+def _run(trainer: Trainer, config, workdir: epath.Path,
+         cleanup: contextlib.ExitStack) -> dict:
+  """``run`` in a validated, locked workdir; ``cleanup`` closes the writers
+  and the checkpointer, also when an error ends the run."""
+  # ------------------------------------------------------------------ writers
   is_main = jax.process_index() == 0
-  writer = metrics_lib.MetricWriter(str(workdir), is_main_process=is_main,
-                                    tensorboard=config.get("tensorboard", True))
-  writer.write_config(config.to_dict())
+  # config.json and metrics.jsonl are written by writer.start, after the
+  # resume checks: a refused resume leaves the workdir as it was.
+  writer = cleanup.enter_context(metrics_lib.MetricWriter(
+      str(workdir), is_main_process=is_main, tensorboard=config.get("tensorboard", True)))
 
   # ------------------------------------------------------------ mesh and data
   enable_compilation_cache(config)
@@ -296,6 +310,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     logging.warning(warning)
   if not trainer.trains:
     ctx = Context(config, workdir, mesh, None, None, writer, 0)
+    writer.start(None, config.to_dict())    # its records are all written again
     trainer.finalize(ctx, trainer.build_model(ctx), None)
     writer.close()
     return {}
@@ -308,6 +323,14 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
                      f"mesh size {mesh.shape['data'] * mesh.shape['fsdp']}")
   train_source = trainer.make_source(config, config.data.train_split, train=True)
   eval_source = trainer.make_source(config, config.data.eval_split, train=False)
+  if config.batch_size > train_source.num_examples:
+    # The sources would fill each batch by wrapping around the split: the
+    # same images several times in one batch, silently.
+    raise config_lib.ConfigError(
+        f"config.batch_size {config.batch_size} is larger than the training split "
+        f"({train_source.num_examples} examples of {config.data.name!r} "
+        f"{config.data.train_split!r}): set --config.batch_size to at most "
+        f"{train_source.num_examples}")
   steps_per_epoch = max(train_source.num_examples // config.batch_size, 1)
   total_steps = config_lib.resolve_total_steps(config, steps_per_epoch)
   ctx = Context(config, workdir, mesh, train_source, eval_source, writer, total_steps)
@@ -338,12 +361,23 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract_state, state_shardings)
 
-  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"),
-                                     max_to_keep=config.get("keep_checkpoints", 3))
-  start_step = ckpt.latest_step()
-  if start_step is not None:
-    config_lib.check_resume_compatible(ckpt.restore_meta(start_step), config)
-    state, _ = ckpt.restore(start_step, abstract_state)
+  # Closed by ``cleanup``; on an error it first finishes (or removes) the save
+  # in flight, so that the newest complete checkpoint survives the error.
+  ckpt = cleanup.enter_context(checkpoint_lib.Checkpointer(
+      str(workdir / "checkpoints"), max_to_keep=config.keep_checkpoints))
+  try:
+    # The newest checkpoint that restores: damaged ones are moved aside.
+    resumed = ckpt.restore_newest(
+        abstract_state, lambda meta: config_lib.check_resume_compatible(meta, config))
+  except checkpoint_lib.StateMismatchError as e:
+    changed = config_lib.changed_keys(e.meta, config)
+    raise ValueError(
+        f"{e}; " + (f"config keys changed since: {config_lib.short_diff(changed)}; "
+                    if changed else "") + "use that run's config or a new --workdir"
+    ) from None
+  resume_meta = {}
+  if resumed is not None:
+    start_step, state, resume_meta = resumed
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
   else:
     state = jax.jit(init_state, out_shardings=state_shardings)(
@@ -351,6 +385,15 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     params = trainer.load_pretrained(ctx, state["params"])
     state["params"] = jax.device_put(params, state_shardings["params"])
     start_step = 0
+  # Every resume check passed: from here on the run writes into the workdir.
+  # Surplus checkpoints (a kill between a commit and Orbax's keep-N clean-up)
+  # go now, records a killed run logged past this step leave metrics.jsonl
+  # (this run logs them again), and config.json gets this run's config.
+  ckpt.prune(config.keep_checkpoints)
+  writer.start(start_step, config.to_dict())
+  # The log window the checkpoint cut in two: its first part, so that the
+  # first log after a resume averages the same steps as without the kill.
+  log_carry = resume_meta.get("log_window")
 
   # --------------------------------------------------------------- the step
   train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh)
@@ -373,7 +416,9 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     # continues the same stream from it (every process runs the same
     # pipeline structure, so process 0's state, the one Orbax writes, is
     # every process's).
-    meta = {**config_lib.checkpoint_meta(config, step), "data_state": data_state}
+    meta = {**config_lib.checkpoint_meta(config, step), "data_state": data_state,
+            # The unfinished log window (see log_carry).
+            "log_window": metrics_lib.window_carry(jax.device_get(history), log_carry)}
     ckpt.save(step, state, meta)
 
   # ---------------------------------------------------------------- the loop
@@ -403,6 +448,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     batch, data_state = next(feed)
     state, metrics = train_step(state, batch)
     history.append(metrics)
+    record = {}     # this step's one line in metrics.jsonl: log window and evaluation
     # At most two steps in flight: the host waits for the device here, so
     # time spent in next(feed) is the device waiting for input (feed.py).
     in_flight.append(metrics["loss"])
@@ -413,10 +459,9 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
       jax.block_until_ready(metrics["loss"])
       clock.skip()    # the first step's compilation is not a step's time
     if step % config.log_every_steps == 0 or step == total_steps:
-      last = _mean_metrics(history)
-      history = []
+      last = _mean_metrics(history, log_carry)
+      history, log_carry = [], None
       last["param_norm"] = float(param_norm(state["params"]))   # after this step
-      check_finite(state, f"at the log of step {step}")
       timing = clock.window()
       shown = {k: last[k] for k in ("loss", "learning_rate", "grad_norm") if k in last}
       if "input_wait_fraction" in timing:
@@ -424,7 +469,7 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
         shown["goodput"] = f"{timing['goodput']:.0%}"
       last.update(timing)
       last.update(progress.update(step, shown))
-      writer.write_scalars(step, last)
+      record.update(last)
       if (timing.get("input_wait_fraction", 0.0) > feed_lib.INPUT_BOUND_FRACTION
           and not clock.warned_input_bound):
         clock.warned_input_bound = True
@@ -437,10 +482,15 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
       scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
                         config)
       scores.update(trainer.extra_eval(ctx, model, state))
-      writer.write_scalars(step, {f"val_{k}": v for k, v in scores.items()})
+      record.update({f"val_{k}": v for k, v in scores.items()})
       logging.info("step %d eval: %s", step, scores)
       last.update({f"val_{k}": v for k, v in scores.items()})
       clock.skip()
+    if record:
+      # Written before the finiteness check, so that the step a non-finite
+      # error names is in metrics.jsonl, with its nonfinite count.
+      writer.write_scalars(step, record)
+      check_finite(state, f"at the log of step {step}")
     if step % config.checkpoint_every_steps == 0 or step in (total_steps, stop_at):
       save(state, step)
       clock.skip()

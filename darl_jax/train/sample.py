@@ -6,9 +6,10 @@
 Nothing is trained (``trains = False``: the loop builds no data, optimizer
 or checkpoints); the work happens in ``finalize``:
 
-1. the pretraining run's ``config.json`` (in ``init_from``) rebuilds the exact
-   model: variant, positional encoding, ordering, decoder, loss and schedule;
-   its newest checkpoint (or ``init_step``) gives the parameters;
+1. the config stored in the pretraining run's newest checkpoint (or
+   ``init_step``) rebuilds the exact model: variant, positional encoding,
+   ordering, decoder, loss and schedule; the same checkpoint gives the
+   parameters (a config.json rewritten by a later command does not matter);
 2. ``sample.num_images`` images of ``sample.split`` (the pretraining dataset)
    are completed ``sample.num_samples`` times each from the known part
    (``sample.condition``), with ``sample.num_steps`` reverse diffusion steps
@@ -34,7 +35,6 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
-from etils import epath
 from ml_collections.config_dict import placeholder
 from PIL import Image
 
@@ -69,16 +69,20 @@ def sample_config() -> ml_collections.ConfigDict:
   return c
 
 
-def load_pretrain_config(init_from: str) -> ml_collections.ConfigDict:
-  """The resolved config a pretraining run wrote into its workdir."""
-  path = epath.Path(init_from)
-  for candidate in (path, path.parent, path.parent.parent):  # workdir, ckpt dir, step dir
-    if (candidate / "config.json").exists():
-      return ml_collections.ConfigDict(json.loads((candidate / "config.json").read_text()))
-  raise FileNotFoundError(
-      f"no config.json in {init_from} (or above it): set --config.init_from to the "
-      "workdir of a pretraining run (python -m darl_jax.main --config=experiments/"
-      "fashion_mnist_diff.py --workdir=<dir>)")
+def load_pretrain_config(init_from: str, step: int | None = None
+                         ) -> tuple[ml_collections.ConfigDict, int]:
+  """``(config, step)``: the resolved config stored with the pretraining
+  run's checkpoint ``step`` (None: the newest that reads) and that step, whose
+  parameters ``finalize`` then loads. Checkpoints from before the meta held
+  the config fall back to the workdir's config.json."""
+  try:
+    step, meta = checkpoint_lib.read_meta(init_from, step=step)
+    stored = checkpoint_lib.stored_config(init_from, meta)
+  except FileNotFoundError as e:
+    raise FileNotFoundError(
+        f"{e}; set --config.init_from to the workdir of a pretraining run (python -m "
+        "darl_jax.main --config=experiments/fashion_mnist_diff.py --workdir=<dir>)") from e
+  return ml_collections.ConfigDict(stored), step
 
 
 def check_params(model, image_shape, params) -> None:
@@ -96,7 +100,7 @@ def check_params(model, image_shape, params) -> None:
   diffs = [f"{k}: {have.get(k)} in the checkpoint, {want.get(k)} in the model"
            for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
   if diffs:
-    raise ValueError("the checkpoint does not fit the model its config.json describes: "
+    raise ValueError("the checkpoint does not fit the model its config describes: "
                      + "; ".join(diffs[:10]))
 
 
@@ -108,7 +112,8 @@ class SampleTrainer(loop.Trainer):
     super().__init__(config)
     if not config.get("init_from"):
       raise ValueError("the sample trainer needs --config.init_from=<pretraining workdir>")
-    self.pretrain_config = load_pretrain_config(config.init_from)
+    self.pretrain_config, self.init_step = load_pretrain_config(
+        config.init_from, None if config.init_step < 0 else config.init_step)
     s = config.sample
     pre = self.pretrain_config
     if s.get("dtype"):
@@ -130,8 +135,8 @@ class SampleTrainer(loop.Trainer):
     if jax.process_index() != 0:
       return
     image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
-    step = None if cfg.init_step < 0 else cfg.init_step
-    params, meta = checkpoint_lib.restore_params(cfg.init_from, step=step)
+    # The step whose config built the model (load_pretrain_config).
+    params, meta = checkpoint_lib.restore_params(cfg.init_from, step=self.init_step)
     check_params(model, image_shape, params)
     params = jax.device_put(params)
     logging.info("sampling from %s (step %s)", cfg.init_from, meta.get("step"))

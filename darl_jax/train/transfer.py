@@ -16,7 +16,12 @@ Rules (so a wrong checkpoint cannot pass silently):
   listing the missing paths (e.g. a checkpoint saved with
   ``model.scan_layers=True`` restored into an unscanned model);
 * dtypes follow the downstream model (a bfloat16 checkpoint loads into float32
-  parameters).
+  parameters);
+* the model keys that change what the same parameters compute without
+  changing any shape (``SHAPELESS_MODEL_KEYS``: the positional encoding) must
+  match the config stored with the checkpoint (the config it was trained
+  with, never a config.json a later command could have rewritten); a
+  ``ValueError`` names them.
 
 Resolution changes need nothing here: position tables keep their shape
 (``model.reference_image_size`` = the pretraining size makes the backbone
@@ -122,21 +127,54 @@ def merge(target, pretrained, *, required: tuple[str, ...] = ("backbone",)):
   return _unflatten_like(target, out), report
 
 
+# Model keys under which the same parameter shapes compute something else: a
+# backbone pretrained with 2D RoPE read with 1D RoPE loads without a shape
+# error and gives wrong features. (model.causal may differ on purpose: the
+# paper fine-tunes its causal backbones with full attention.)
+SHAPELESS_MODEL_KEYS = ("posenc", "rope_max_wavelength")
+
+
+def pretrained_model_config(meta: dict) -> dict | None:
+  """The pretraining run's ``model`` config, from the checkpoint's meta: its
+  stored config, or (older checkpoints) its architecture record."""
+  for section in (meta.get("config"), meta.get("architecture")):
+    if isinstance(section, dict) and isinstance(section.get("model"), dict):
+      return section["model"]
+  return None
+
+
+def check_model_config(pretrained: dict | None, model_config) -> None:
+  """ValueError if ``model_config`` reads the pretrained backbone differently
+  (``SHAPELESS_MODEL_KEYS``); nothing to check without both configs."""
+  if not pretrained or model_config is None:
+    return
+  diffs = [f"model.{k}: {pretrained[k]!r} in the checkpoint, {model_config[k]!r} here"
+           for k in SHAPELESS_MODEL_KEYS
+           if k in pretrained and k in model_config and pretrained[k] != model_config[k]]
+  if diffs:
+    raise ValueError("the pretrained backbone was trained with another positional "
+                     "encoding than this config builds (" + "; ".join(diffs) + "); set "
+                     "them as in the pretraining run")
+
+
 def restore_into(target, init_from: str, *, step: int | None = None,
-                 required: tuple[str, ...] = ("backbone",)):
+                 required: tuple[str, ...] = ("backbone",), model_config=None):
   """Reads the checkpoint at ``init_from`` and merges it into ``target``.
 
   ``init_from`` is a pretraining workdir, its ``checkpoints`` directory or one
-  step directory (see ``checkpoint.restore_params``). Logs the report.
+  step directory (see ``checkpoint.restore_params``). ``model_config``: the
+  downstream ``config.model``, checked against the checkpoint's stored one
+  (``check_model_config``). Logs the report.
   """
   pretrained, meta = checkpoint_lib.restore_params(init_from, step=step)
+  check_model_config(pretrained_model_config(meta), model_config)
   params, report = merge(target, pretrained, required=required)
   report.source, report.step = init_from, meta.get("step", step)
   logging.info("%s", report.summary())
   logging.info("loaded: %s", ", ".join(report.loaded))
   logging.info("dropped: %s", ", ".join(report.dropped))
   logging.info("newly initialised: %s", ", ".join(report.new))
-  arch = meta.get("architecture", {}).get("model")
+  arch = pretrained_model_config(meta)
   if arch:
     logging.info("pretraining model config: %s", arch)
   return params, report
