@@ -2,37 +2,29 @@
 cuDNN and XLA, on one GPU.
 
     python benchmarks/attention_kernel_bench.py --shape=L/16:128 --slots=0,2,3
+    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=2/rope_tables=float32
 
 For one layer's causal self-attention at a model's shape ([batch, tokens,
-heads, head_dim] bf16), it checks the kernels' output and gradients against
-float32 attention (relative error; cuDNN's error printed beside them), then
-times the forward alone and forward + backward for cuDNN
-(``jax.nn.dot_product_attention(implementation='cudnn')``), XLA, and the
-kernels at each ``slots`` setting. Times are medians over repeats of
-back-to-back launches; TFLOP/s counts the causal half of the four
-attention products (MaxText's convention), backward = 2 x forward.
+heads, head_dim] bf16), it checks output and gradients against float32
+attention (relative error), then times the forward and forward + backward
+(medians of back-to-back launches; TFLOP/s counts the causal half of the
+four attention products, MaxText's convention) in three tables:
 
-A second table times what the model's attention layer runs between its
-qkv projection and its output projection: from the packed projection's
-product ``[B, T, 3, H, D]``, its bias and 2D-RoPE-like tables shared by the
-batch, to the output and the product's gradient. Rows: bias and RoPE in XLA then
-cuDNN; the same then the kernels on separate q, k, v; and
-``causal_attention_qkv`` (the kernels read the packed array and do RoPE's
-backward in their epilogues) with float32 and with bfloat16 RoPE tables.
+- on q, k, v: cuDNN (``jax.nn.dot_product_attention(implementation=
+  'cudnn')``), XLA, and the kernels at each ``--slots``;
+- from the packed projection's product ``[B, T, 3, H, D]``, its bias and
+  RoPE tables shared by the batch: bias and RoPE in XLA then cuDNN or the
+  kernels, and ``causal_attention_qkv`` with float32 and bfloat16 tables;
+- from the block's input ``x [B, T, W]``: XLA's q/k/v product then
+  ``causal_attention_qkv``, against ``causal_attention_projected`` (the
+  product our kernel, bias and RoPE in its epilogue), and the forward
+  projections alone.
 
 With ``--tilings`` it prints one table instead: ``causal_attention_qkv``
-(bias, bf16 RoPE tables) at each AttentionTiling, timed in alternating
-rounds so that the rows share the card's state, with each row's largest
-difference from the first row's output and gradients and whether more
-runs give the same bits (a race between a CTA's warps would not):
-
-    python benchmarks/attention_kernel_bench.py --shape=L/16:256 --tilings=slots=2,slots=3,slots=2/rope_tables=float32
-
-A third table starts one step earlier, at the block's input ``x [B, T, W]``:
-XLA's qkv product then ``causal_attention_qkv``, against
-``causal_attention_projected`` (the product our own kernel, the bias and
-RoPE in its epilogue), to the output and the gradients of x, the kernel and
-the bias; and the two forward projections alone.
+at each AttentionTiling, timed in alternating rounds so that the rows share
+the card's state, with each row's largest difference from the first row
+and whether more runs give the same bits (a race between a CTA's warps
+would not).
 """
 
 from __future__ import annotations
@@ -50,7 +42,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from darl_jax.kernels import hopper_attention as ha  # noqa: E402
 from darl_jax.models import posenc  # noqa: E402
-import lever_ab  # noqa: E402
 from mlp_kernel_bench import rel_err, timed  # noqa: E402
 
 # tokens per image, heads, head_dim
@@ -63,6 +54,19 @@ def parse_shape(text: str):
     raise argparse.ArgumentTypeError(f"unknown model {model!r}; valid: {', '.join(SHAPES)}")
   t, h, d = SHAPES[model]
   return (int(batch or 128), t, h, d)
+
+
+def parse_tiling(text: str) -> ha.AttentionTiling:
+  """``slots=3/rope_tables=float32`` (fields of AttentionTiling,
+  ``/``-separated) -> the tiling."""
+  fields = {}
+  for item in text.split("/"):
+    key, _, value = item.partition("=")
+    if key not in ("slots", "rope_tables"):
+      raise ValueError(f"unknown AttentionTiling field {key!r} in {text!r}; valid: slots, "
+                       f"rope_tables")
+    fields[key] = int(value) if key == "slots" else value
+  return ha.AttentionTiling(**fields)
 
 
 def fwd_bwd(f):
@@ -84,8 +88,8 @@ def main():
                       help="comma-separated AttentionTiling.slots values to time")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--tilings", default="",
-                      help="comma-separated AttentionTilings (lever_ab's attention_tiling "
-                           "fields, e.g. slots=3/rope_tables=float32): only the tilings table")
+                      help="comma-separated AttentionTilings (fields, e.g. "
+                           "slots=3/rope_tables=float32): only the tilings table")
   parser.add_argument("--rounds", type=int, default=4,
                       help="alternating timing rounds of the tilings table")
   parser.add_argument("--reruns", type=int, default=10,
@@ -98,7 +102,10 @@ def main():
   q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
                  for kk in ks)
   if args.tilings:
-    tilings = {text: lever_ab.parse_attention_tiling(text) for text in args.tilings.split(",")}
+    try:
+      tilings = {text: parse_tiling(text) for text in args.tilings.split(",")}
+    except ValueError as e:
+      parser.error(str(e))
     tilings_table(q, k, v, do, tilings, args.iters, args.rounds, args.reruns)
     return
 
@@ -109,15 +116,14 @@ def main():
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return f
 
-  def kernel(slots, dq_from_ds=False):
-    tiling = ha.AttentionTiling(slots, dq_from_ds=dq_from_ds)
+  def kernel(slots):
+    tiling = ha.AttentionTiling(slots)
     return lambda q, k, v: ha.causal_attention(q, k, v, tiling)
 
   ref = fwd_bwd(plain("xla", jnp.float32))(q, k, v, do)
   slots = [int(s) for s in args.slots.split(",") if s]
   candidates = {"cudnn": plain("cudnn"), "xla (bf16)": plain("xla")}
   candidates.update({f"kernels, slots={s}": kernel(s) for s in slots})
-  candidates.update({f"kernels, slots={s}, dQ from stored dS": kernel(s, True) for s in slots})
   flops_fwd = 4 * b * h * t * t * d / 2
   print("| computation | max rel. error (out, dq, dk, dv) | fwd ms | fwd+bwd ms | "
         "fwd+bwd TFLOP/s |")
@@ -179,9 +185,7 @@ def rope_table(q, k, v, do, iters: int):
       "bias + RoPE in XLA, kernels on q, k, v": with_bias(rotated(ha.causal_attention, rope)),
       **{f"causal_attention_qkv (bias, RoPE backward in the kernels), {dt} tables":
          (lambda x, dt=dt: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(2, dt)))
-         for dt in ("float32", "bfloat16")},
-      "causal_attention_qkv, bfloat16 tables, dQ from stored dS":
-      lambda x: ha.causal_attention_qkv(x, bias, rope, ha.AttentionTiling(dq_from_ds=True))}
+         for dt in ("float32", "bfloat16")}}
   print()
   print("| from packed qkv, with RoPE | max rel. error (out, dqkv) | fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
@@ -249,8 +253,8 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int):
   def xla_then_kernels(x, kernel, bias):
     return ha.causal_attention_qkv(product(x, kernel), bias.astype(x.dtype), rope)
 
-  def projected(x, kernel, bias, tiling=ha.DEFAULT_ATTENTION_TILING):
-    return ha.causal_attention_projected(x, kernel, bias, rope, tiling)
+  def projected(x, kernel, bias):
+    return ha.causal_attention_projected(x, kernel, bias, rope)
 
   if not ha.fits_projected(x, kernel, bias, rope):
     print(f"\n(no projection table: {h} heads of {d} do not fit causal_attention_projected)")
@@ -261,9 +265,7 @@ def projection_table(b: int, t: int, h: int, d: int, iters: int):
         "| fwd ms | fwd+bwd ms |")
   print("|---|---|---|---|")
   for name, f in {"XLA qkv product, causal_attention_qkv": xla_then_kernels,
-                  "causal_attention_projected": projected,
-                  "causal_attention_projected, dQ from stored dS":
-                  lambda *a: projected(*a, ha.AttentionTiling(dq_from_ds=True))}.items():
+                  "causal_attention_projected": projected}.items():
     got = fwd_bwd(f)(x, kernel, bias, do)
     errs = ", ".join(f"{rel_err(a, r):.1e}" for a, r in zip(got, ref))
     t_f = timed(jax.jit(f), x, kernel, bias, iters=iters) * 1e3

@@ -24,13 +24,14 @@ the triton ViT runs it).
 A third times the norm as the triton ViT runs it in every block,
 ``add_bias_layer_norm`` (the branch's bias added in the forward kernel, its
 gradient a third column sum in the backward kernel), at each ``--blocks``,
-and the earlier form with that gradient summed by XLA (lever_ab.py's
-``branch_bias_sum_in_xla``) at the default blocks.
+against the same kernels with that gradient summed by XLA instead (the
+reference the kernel's sum is checked against, and what it saves).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -163,14 +164,34 @@ def add_rows(x, scale, bias, dres, dy, iters):
           f"{rel_err(g[0], ref_g[0]):.1e}, {rel_err(g[1], ref_g[1]):.1e} |", flush=True)
 
 
+def xla_sum_add_bias_layer_norm():
+  """``ln.add_bias_layer_norm`` with ``y_bias``'s gradient summed by XLA
+  over the whole ``[rows, width]`` gradient, instead of a third column sum
+  in the backward kernel."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+  def add_bias_layer_norm(x, y, y_bias, scale, bias, eps=1e-6,
+                          blocks=ln.DEFAULT_BLOCKS, interpret=False):
+    s, out, _ = ln.add_forward(x, y, scale, bias, y_bias=y_bias, eps=eps,
+                               blocks=blocks, interpret=interpret)
+    return s, out
+
+  def bwd(eps, blocks, interpret, saved, cotangents):
+    *saved, bias_like = saved
+    d, dy, dscale, dbias = ln._add_bwd(eps, blocks, interpret, tuple(saved), cotangents)
+    dy_bias = jnp.sum(d.astype(jnp.float32), axis=tuple(range(d.ndim - 1)))
+    return d, dy, dy_bias.astype(bias_like.dtype), dscale, dbias
+
+  add_bias_layer_norm.defvjp(ln._add_bias_fwd, bwd, symbolic_zeros=True)
+  return add_bias_layer_norm
+
+
 def bias_rows(x, scale, bias, dres, dy, iters, blocks_text):
   """``add_bias_layer_norm`` fwd+bwd: XLA's sum of the branch bias's
-  gradient (before) and the kernels' at each ``--blocks``."""
-  import lever_ab
+  gradient and the kernels' at each ``--blocks``."""
   a = branch_output(x)
   a_bias = 0.1 * scale
   interpret = jax.default_backend() != "gpu"
-  xla_sum = lever_ab._xla_sum_add_bias_layer_norm()
+  xla_sum = xla_sum_add_bias_layer_norm()
   candidates = [("XLA's branch-bias sum (before), default blocks",
                  lambda x, a, ab, s, b: xla_sum(x, a, ab, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS,
                                                 interpret))]

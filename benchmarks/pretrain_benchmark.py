@@ -130,7 +130,7 @@ def run_case(variant, objective, batch, args):
 def pretrain_loss(config, images):
   """``(init, loss)`` for ``config``'s pretraining objective on ``images``:
   ``init(seed)`` -> parameters, ``loss(params)`` -> the loss with a fixed
-  noise key (what --check and the lever_ab tests compare)."""
+  noise key (what --check compares)."""
   trainer = pretrain.PretrainTrainer(config)
   model = darl_lib.darl_from_config(config)
 

@@ -1,107 +1,41 @@
 """Causal attention over short image sequences, as Hopper (sm_90) kernels.
 
 The pretraining step's attention is ``batch x heads`` independent causal
-problems of only 196 (ViT-L/16) or 256 (ViT-H/14) tokens. cuDNN's flash
-kernels run them at about 50 TFLOP/s in the backward (benchmarks/RESULTS.md:
-11.2 of 105.8 ms per ViT-L/16 step): their tiles are sized for long
-sequences, and 196 tokens leave most of a 128-row tile empty.
-
-These kernels see the batch as one long sequence of ``B * T`` tokens with a
-block-diagonal causal mask (token r attends to token c when both are in the
-same image and c <= r). Tiles are 64 rows of that flat sequence: no padding,
-no copy (``[B, T, H, D] -> [B * T, H, D]`` is a reshape), every tile a full
-``wgmma`` and every copy in bounds; a tile that straddles two images is
-masked per row. A 64-row query tile needs at most ``ceil(T / 64) + 1`` key
-tiles, so each CTA streams a handful of tiles and many CTAs share a
-multiprocessor.
+problems of only 196 (ViT-L/16) or 256 (ViT-H/14) tokens, too short for
+flash kernels whose tiles are sized for long sequences. These kernels see
+the batch as one flat sequence of ``B * T`` tokens with a block-diagonal
+causal mask (token r attends to c when both are in one image and c <= r),
+cut into 64-row tiles: no padding, no copy (``[B, T, H, D] -> [B T, H, D]``
+is a reshape), every tile a full ``wgmma``; a tile that straddles two images
+is masked per row, and a query tile needs at most ``ceil(T / 64) + 1`` key
+tiles.
 
 Three kernels, each a grid of (64-row tile, head) with one warpgroup that
-issues its own tile copies and waits on them per slot:
+issues its own tile copies into ``AttentionTiling.slots`` slots:
+``_forward`` (O and the base-2 log-sum-exp, online softmax), ``_dq`` (dQ,
+and delta = rowsum(dO * O)) and ``_dkv`` (dK, dV, written into _dq's
+gradient array in place). dQ apart from dK/dV recomputes two products per
+tile pair and needs no atomics. Probabilities and score gradients stay in
+registers as the next product's operand.
 
-- ``_forward``: O and the row log-sum-exp (base 2), the online softmax over
-  the query tile's key tiles;
-- ``_dq``: dQ for a query tile, streaming its key/value tiles; it also
-  writes ``delta = rowsum(dO * O)``, the softmax backward's row term;
-- ``_dkv``: dK and dV for a key tile, streaming the query tiles that see it
-  (with dO, the log-sum-exp and delta).
+Entry points, each with a custom gradient:
 
-With a qkv bias, ``_dq`` and ``_dkv`` also write the column sums of the
-gradient tiles they store (``_column_sums``; see causal_attention_qkv).
+- ``causal_attention_qkv(qkv, bias, rope)``: from the packed projection
+  ``[B, T, 3, H, D]``; v is read in place, v's bias is added to the output,
+  RoPE's transpose is applied to dQ and dK in the backward's epilogues, and
+  the gradient comes out in the projection's own ``[B, T, 3, H, D]``
+  layout, with the bias gradient's column sums taken in the same epilogues.
+- ``causal_attention_projected(x, kernel, bias, rope)``: from the block's
+  input; the q/k/v product is hopper_gemm's kernel with the bias and RoPE
+  in its epilogue (head dim 64).
+- ``causal_attention(q, k, v)``: three ``[B, T, H, D]`` arrays.
 
-Splitting dQ from dK/dV recomputes two products per tile pair but needs no
-atomics. (``AttentionTiling(dq_from_ds=True)`` is the other trade: dK/dV
-first, storing every pair's dS^T tile, then ``_dq_from_ds`` with one product
-per pair. Measured at ViT-L/16, it is within 0.04 ms a layer of this one,
-either way by input, so it stays off; benchmarks/RESULTS.md, sixteenth
-session.) Probabilities and score gradients stay in registers as the next
-product's A operand, and independent products are issued together (one
-wait). With 2 slots (the default) and RoPE at head dim 64, Nsight Compute
-counts 72 KB of shared memory a CTA for dQ (after O's tile and dQ's staging
-halves were made one union) and 71 KB for dK/dV; the forward's tiles come to
-about 41 KB. So several CTAs share a multiprocessor and hide each other's
-latencies: three for dQ (148 registers; shared memory allows three too),
-two for dK/dV (181 registers) and four for the forward (108 registers).
-
-What limits the backward (benchmarks/RESULTS.md, sixteenth to nineteenth
-sessions): each tile pair is a dependent chain (score products, wait, mask
-and softmax, gradient products, wait), and dK/dV's 181 registers a thread
-leave two CTAs a multiprocessor to fill each other's gaps; Nsight Compute
-finds no warp eligible in 54% of its cycles, the warps waiting mostly on
-scoreboards and on warpgroup barriers (a fifth of the stalls) and hardly
-on the tensor cores. The block-diagonal mask is about a third of a step's
-instructions (12% of the backward's time). Not the cause, measured: CTAs
-taking several heads one after another, so that prologue copies and
-epilogue stores overlap the next head's work (within 3% either way), fewer products per pair (dq_from_ds, above), and the next
-pair's score product issued before this pair's softmax in dQ and dK/dV
-(FlashAttention-3's overlap within a warpgroup; 2-5% slower at ViT-L/16,
-nineteenth session). Nor are the streamed tiles' copies: with every CTA
-reusing its first tiles instead of refilling its slots (wrong numbers,
-the same arithmetic) the layer took the same time. Nor Pallas's automatic
-warpgroup barriers (one before every copy into shared memory and around
-every store): compiled without them (``unsafe_no_auto_barriers``) and with
-the few the kernels need placed by hand, 60 barriers in the PTX became 18
-and the layer took the same time (0.8435 against 0.8468 ms at ViT-L/16,
-within the rounds' spread; twentieth session), so the barrier stalls are
-warps waiting for the slowest one of their warpgroup, not the barriers'
-own cost; that version is not kept.
-
-Three entry points wrap them with a custom gradient:
-
-- ``causal_attention_qkv(qkv, bias, rope)``, what the model calls: it takes
-  the packed projection's product ``[B, T, 3, H, D]``, its bias and RoPE's
-  tables. q and k get their bias and rotation in one XLA pass; the forward
-  kernel reads v from the packed product in place, adds v's bias to the
-  output and stores v's rows once more for the backward (from the tile it
-  streams last), so that the packed product dies after the forward; the
-  backward kernels apply the rotation's transpose to dQ and dK in their
-  epilogues and write dQ, dK, dV into one ``[B, T, 3, H, D]`` array (dK/dV
-  into dQ's output, in place), the projection's own gradient layout. This
-  removes a copy of v, a bias pass over the whole product, and XLA's pass
-  that rotated dQ and dK back and concatenated the three gradients (5.4 ms
-  of a 99 ms ViT-L/16 step at batch 128 on an H200, bias gradient included).
-  The bias gradient, the gradient's column sum, is taken in the same
-  epilogues: each CTA also stores the float32 column sums of the bf16 tiles
-  it writes (a ones-matrix product on the staged tiles), and XLA adds those
-  up over tiles, a 64th of the gradient's rows, instead of a pass over the
-  whole gradient (2.2 ms of a 182 ms ViT-L/16 step at batch 256). Where the
-  staged tiles are no wgmma operand (head dim 80 with RoPE: 80-byte halves)
-  XLA sums the gradient as before.
-- ``causal_attention_projected(x, kernel, bias, rope)``, what the model
-  calls where it fits (head dim 64, RoPE tables shared by the batch): from
-  the block's input, the q/k/v product included. The product is our own
-  kernel (hopper_gemm.gemm) with the bias and RoPE's rotation of q and k in
-  its epilogue, in float32 while the product is in registers, so the pass
-  above that rotated q and k is gone and the forward kernel reads q, k and
-  v from the one packed array (which the backward keeps, in place of the
-  rotated q, k and the copy of v). The backward is
-  ``causal_attention_qkv``'s kernels, then the projection's two products
-  (XLA's). At ViT-L/16, batch 256 on an H200: the projection 0.455 ms per
-  layer against 0.520 for XLA's product and pass, the training step +1.2%.
-- ``causal_attention(q, k, v)`` on three ``[B, T, H, D]`` arrays, for
-  per-image RoPE tables and other callers.
-
-Use: ``model.attention_impl='hopper'`` (models/attention.py), which keeps cuDNN for
-what these kernels do not cover (non-causal attention, masks, other shapes).
+Invariants: bf16 inputs, ``T >= 64``, ``B * T`` a multiple of 64, head dim
+a multiple of 16 up to 256 (check_shapes names the fix otherwise); RoPE
+tables are one ``[T, D/2]`` pair shared by the batch, in kernels/rope.py's
+"rotate half" layout. models/attention.py calls these where they fit
+(``model.attention_impl='hopper'``, the default on sm_90 in bf16) and cuDNN
+or XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -118,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from darl_jax.kernels import hopper_gemm
+from darl_jax.kernels import rope as rope_lib
 from darl_jax.kernels.mosaic import interpret_params, swizzled
 
 BLOCK = 64            # rows of every tile: one wgmma M, and a 128-byte bf16 row at D = 64
@@ -136,30 +71,14 @@ class AttentionTiling:
   the rotation's transpose with: ``float32`` (two ``[64, D/2]`` tiles in
   shared memory) or ``bfloat16`` (one ``[64, D]`` tile, cos | sin: less
   shared memory, so more CTAs per multiprocessor, for a rounding of the
-  tables about that of the bf16 gradients themselves).
-
-  ``dq_from_ds``: the backward's other schedule. The dK/dV kernel runs
-  first (delta = rowsum(dO * O) taken by XLA before it) and stores each
-  tile pair's score gradient dS^T as bf16, and the dQ kernel takes dQ = dS K
-  from those tiles, one product per pair instead of recomputing S, dP and
-  the softmax (three). It moves dS through memory (0.4 GB per ViT-L/16
-  layer at batch 256, written and read once) to save the products. Head dim
-  64 only (B/16, L/16): at 80 Mosaic GPU (jax 0.10) finds no layout for the
-  transposed dS operand, and the default schedule runs. Off: at ViT-L/16,
-  batch 256, the attention layer's forward + backward took 2.189 ms with it
-  against 2.232 without (from the block's input), 0.835 against 0.817 on
-  plain q, k, v (H200): no gain the training step could show."""
+  tables about that of the bf16 gradients themselves)."""
   slots: int = 2
   rope_tables: str = "bfloat16"
-  dq_from_ds: bool = False
 
 
-# slots=2 measured fastest at ViT-L/16 sizes (H200; benchmarks/RESULTS.md):
-# fwd + bwd 0.377 ms per layer at batch 128, against 0.390 with 3 slots and
-# 0.425 with every tile in its own slot. bfloat16 RoPE tables: the attention
-# layer 2% faster than with float32 ones at ViT-L/16 (batch 128), 8% at
-# ViT-H/14 (batch 192, head dim 80), for a dQKV error of 4.3e-3 instead of
-# 4.2e-3 against float32 (benchmarks/attention_kernel_bench.py, H200).
+# Two slots and bfloat16 tables: the fastest settings at ViT-L/16 and H/14
+# sizes (benchmarks/attention_kernel_bench.py --tilings), bf16 tables for a
+# gradient error about that of float32 ones.
 DEFAULT_ATTENTION_TILING = AttentionTiling()
 
 
@@ -225,13 +144,9 @@ def _mask(q0, k0, seg: int, transposed: bool, ops: "_Ops"):
   start(q)`` (never negative). Everything that depends on the query alone
   or the key alone is a vector along its tile dimension (2 or 16 values a
   thread in the WGMMA layout), so each score element costs a subtract, a
-  compare and the caller's select. The first form built the row and
-  column indices, the image start and two compares per element (about a
-  third of the backward's instructions, seventeenth session). Measured at
-  ViT-L/16, batch 256 (H200, benchmarks/RESULTS.md, eighteenth session):
-  dK/dV 181 registers a thread instead of 203, dQ 148 instead of 168, the
-  layer's backward about 2% faster, outputs bit-identical. (A form with
-  every bound per tile row, a key's image end in dK/dV, took 184.)
+  compare and the caller's select: the mask is a large share of the
+  backward's instructions, and this form also needs fewer registers than
+  one that builds two-dimensional row and column indices.
   """
   q_dim, k_dim = (1, 0) if transposed else (0, 1)
   q = q0 + ops.index(q_dim)
@@ -278,15 +193,14 @@ class _Ops:
 
 @dataclasses.dataclass(frozen=True)
 class _Mm:
-  """One product ``acc + a @ b`` (``a @ b^T`` when ``b_t``, ``a^T @ b`` when
-  ``a_t``): ``a`` a shared-memory tile or a bf16 register array
+  """One product ``acc + a @ b`` (``a @ b^T`` when ``b_t``): ``a`` a
+  shared-memory tile or a bf16 register array
   (probabilities, score gradients), ``b`` a shared-memory tile, ``acc`` a
   float32 running sum or None (zeros)."""
   a: object
   b: object
   b_t: bool = False
   acc: object = None
-  a_t: bool = False
 
 
 def _products(mms: Sequence[_Mm], ops: "_Ops"):
@@ -302,13 +216,12 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
   """
   def rows_cols(mm):
     b_shape = mm.b.shape
-    return mm.a.shape[1 if mm.a_t else 0], b_shape[0] if mm.b_t else b_shape[1]
+    return mm.a.shape[0], b_shape[0] if mm.b_t else b_shape[1]
 
   if ops.interpret:
     outs = []
     for mm in mms:
       a = mm.a if isinstance(mm.a, jax.Array) else mm.a[...]
-      a = a.T if mm.a_t else a
       b = mm.b[...].T if mm.b_t else mm.b[...]
       out = jnp.dot(a, b, preferred_element_type=jnp.float32)
       outs.append(out if mm.acc is None else mm.acc + out)
@@ -316,8 +229,7 @@ def _products(mms: Sequence[_Mm], ops: "_Ops"):
 
   def body(acc_refs):
     for mm, ref in zip(mms, acc_refs):
-      plgpu.wgmma(ref, plgpu.transpose_ref(mm.a, (1, 0)) if mm.a_t else mm.a,
-                  plgpu.transpose_ref(mm.b, (1, 0)) if mm.b_t else mm.b)
+      plgpu.wgmma(ref, mm.a, plgpu.transpose_ref(mm.b, (1, 0)) if mm.b_t else mm.b)
   inits = tuple(plgpu.ACC.init(ops.zeros(rows_cols(mm)) if mm.acc is None else mm.acc)
                 for mm in mms)
   return list(pl.run_state(body)(inits))
@@ -369,11 +281,6 @@ class _Geometry:
     """Shared memory for one ``[64, D]`` tile (one per slot if ``slotted``)."""
     return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, self.d), self.dtype,
                       transforms=swizzled(self.d, self.dtype))
-
-  def scores(self, slotted: bool = False):
-    """Shared memory for one ``[64, 64]`` tile of scores (a pair's dS^T)."""
-    return plgpu.SMEM(((self.slots,) if slotted else ()) + (BLOCK, BLOCK), self.dtype,
-                      transforms=swizzled(BLOCK, self.dtype))
 
   def half(self, dtype):
     """Shared memory for one ``[64, D/2]`` tile (a RoPE table's rows, or
@@ -738,10 +645,9 @@ def _dq(q, k, v, v_bias, o, do, lse, tables, at, seg: int, tiling: AttentionTili
 
   # With RoPE, O's tile (read once, for delta, before the loop) and the two
   # halves the rotated dQ is staged in (written after it) are one union in
-  # shared memory: 8 KB less a CTA at head dim 64, 72 instead of 80 KB, so
-  # that three CTAs fit a multiprocessor (228 KB) as its 148 registers
-  # allow; with O's own tile shared memory held it to two (Nsight Compute,
-  # nineteenth session). The GPU interpreter has no unions: separate tiles.
+  # shared memory, so that shared memory lets as many CTAs share a
+  # multiprocessor as dQ's registers do. The GPU interpreter has no unions:
+  # separate tiles.
   o_tile, rope_scratch = g.tile(), g.rope_scratch(tables) if rope else []
   if aliased:
     *rope_scratch, lo, hi = rope_scratch
@@ -764,28 +670,20 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   """Writes dK (heads H..2H-1, after RoPE's transpose when ``tables`` are
   given) and dV (2H..3H-1) into ``grads``, a ``jax.Ref`` of _dq's output.
   -> with ``sums``, each tile's column sums of dK and dV, ``[N / 64, 2H,
-  D]`` float32 (dK's at heads 0..H-1, dV's at H..; _column_sums), else ().
-
-  ``grads=None`` (``tiling.dq_from_ds``): the gradient array is this
-  kernel's first output instead (dQ's heads left for _dq_from_ds), and the
-  last output is every tile pair's dS^T, ``[H, N / 64, span, 64, 64]``
-  bf16: key tile c's pair with query tile c + j at ``[h, c, j]``."""
+  D]`` float32 (dK's at heads 0..H-1, dV's at H..; _column_sums), else ()."""
   g = _Geometry.of(v, at, seg, tiling, _kv_span)
   ops = _Ops(interpret)
   rope = tables is not None
   nt = len(tables) if rope else 0
-  store_ds = grads is None
 
   def body(*refs):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
     table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
-    dqkv_ref, *refs = refs      # an input Ref, or (store_ds) the first output
+    dqkv_ref, *refs = refs      # the input Ref
     sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
-    ds_ref, refs = (refs[0], refs[1:]) if store_ds else (None, refs)
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, *refs) = refs
     rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
-    sums_smem, refs = (refs[0], refs[1:]) if sums else (None, refs)
-    ds_smem, (held_bar, q_bar) = (refs[0], refs[1:]) if store_ds else (None, refs)
+    sums_smem, (held_bar, q_bar) = (refs[0], refs[1:]) if sums else (None, refs)
     c, h = lax.axis_index("tile"), lax.axis_index("head")
     k0 = c * BLOCK
     first, n = _kv_span(c, seg)
@@ -809,12 +707,6 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
       pt = jnp.where(keep, pt, 0.0)
       delta_cols = ops.cols(delta_smem.at[slot])
       dst = (pt * (dpt - lax.broadcast_in_dim(delta_cols, dpt.shape, [1]))).astype(k_smem.dtype)
-      if store_ds:
-        # one staging tile: the previous pair's store has read it by now
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        ds_smem[...] = dst
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[h, c, j])
       dk, dv = _products([_Mm(dst, q_smem.at[slot], acc=dk),
                           _Mm(pt.astype(k_smem.dtype), do_smem.at[slot], acc=dv)], ops)
       return dk, dv
@@ -836,89 +728,11 @@ def _dkv(q, k, v, do, lse, delta, grads, tables, at, seg: int, tiling: Attention
   if rope:
     scratch += g.rope_scratch(tables)
   scratch += [g.sums(2)] if sums else []
-  scratch += [g.scores()] if store_ds else []
   scratch += [plgpu.Barrier(num_arrivals=2 + nt, num_barriers=1),
               plgpu.Barrier(num_arrivals=4, num_barriers=g.slots)]
-  out_type = (g.sums_out(2),) if sums else ()
-  if store_ds:
-    span = _max_span(_kv_span, g.rows // BLOCK, seg)
-    out_type = ((g.grads_out(),) + out_type
-                + (jax.ShapeDtypeStruct((g.heads, g.rows // BLOCK, span, BLOCK, BLOCK),
-                                        g.dtype),))
   return g.call("dkv", body, inputs=(q, k, v, do, lse, delta) + (tuple(tables) if rope else ())
-                + (() if store_ds else (grads,)), out_type=out_type, scratch=scratch,
+                + (grads,), out_type=(g.sums_out(2),) if sums else (), scratch=scratch,
                 interpret=interpret)
-
-
-def _dq_from_ds(k, ds, grads, tables, at, seg: int, tiling: AttentionTiling, interpret: bool,
-                sums: bool = False):
-  """Writes dQ = scale * dS K (heads 0..H-1, after RoPE's transpose when
-  ``tables`` are given) into ``grads``, a ``jax.Ref`` of _dkv's output, from
-  the dS^T tiles _dkv stored (``tiling.dq_from_ds``): query tile i streams
-  its key tiles c and the pairs' tiles ``ds[h, c, i - c]``, one product
-  each (dS^T read transposed). -> with ``sums``, each tile's column sums of
-  dQ, ``[N / 64, H, D]`` float32, else ()."""
-  g = _Geometry.of(k, at, seg, tiling, _q_span)
-  ops = _Ops(interpret)
-  rope = tables is not None
-  nt = len(tables) if rope else 0
-
-  def body(*refs):
-    k_ref, ds_ref, *refs = refs
-    table_refs, refs = (refs[:nt], refs[nt:]) if rope else ((), refs)
-    dqkv_ref, *refs = refs
-    sums_ref, refs = (refs[0], refs[1:]) if sums else (None, refs)
-    k_smem, ds_smem, out_smem, *refs = refs
-    rope_smem, refs = (refs[:nt + 2], refs[nt + 2:]) if rope else (None, refs)
-    sums_smem, (held_bar, kv_bar) = (refs[0], refs[1:]) if sums else (None, refs)
-    i, h = lax.axis_index("tile"), lax.axis_index("head")
-    lo, n = _q_span(i, seg)
-    rows = pl.ds(i * BLOCK, BLOCK)
-    if rope:
-      _fetch_tables(table_refs, i, rope_smem[:nt], held_bar.at[0])
-
-    def fetch(j, slot):
-      c = lo + j
-      plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(c * BLOCK, BLOCK), g.at[1] + h], k_smem.at[slot],
-                              kv_bar.at[slot])
-      plgpu.copy_gmem_to_smem(ds_ref.at[h, c, i - c], ds_smem.at[slot], kv_bar.at[slot])
-
-    def step(j, slot, acc):
-      plgpu.barrier_wait(kv_bar.at[slot])
-      acc, = _products([_Mm(ds_smem.at[slot], k_smem.at[slot], acc=acc, a_t=True)], ops)
-      return acc
-
-    acc = _stream(n, g.slots, fetch, step, ops.zeros((BLOCK, g.d)))
-    if rope:
-      plgpu.barrier_wait(held_bar.at[0])
-    copies = _stage_grad(acc * g.scale, dqkv_ref, rows, h, out_smem, rope_smem, ops)
-    _copy_out(copies, functools.partial(_column_sums, [(copies, sums_ref.at[i, h])],
-                                        sums_smem, ops) if sums else None)
-
-  scratch = [g.tile(slotted=True), g.scores(slotted=True), g.tile()]
-  scratch += g.rope_scratch(tables) if rope else []
-  scratch += [g.sums(1)] if sums else []
-  scratch += [plgpu.Barrier(num_arrivals=max(nt, 1), num_barriers=1),
-              plgpu.Barrier(num_arrivals=2, num_barriers=g.slots)]
-  return g.call("dq_from_ds", body, inputs=(k, ds) + (tuple(tables) if rope else ()) + (grads,),
-                out_type=(g.sums_out(1),) if sums else (), scratch=scratch,
-                interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
-def _dq_from_ds_into(grads, k, ds, tables, at, seg, tiling, interpret, sums):
-  """_dq_from_ds writing into _dkv's gradient array in place (as _dkv_into)."""
-  ref = jax.new_ref(grads, memory_space=plgpu.GMEM)
-  out = _dq_from_ds(k, ds, ref, tables, at, seg, tiling, interpret, sums)
-  return ref[...], out
-
-
-def _delta(o, do, v_bias, heads: int):
-  """rowsum(dO * O) per head, ``[H, N]`` float32 (O without v's bias: see _dq)."""
-  o = o.astype(jnp.float32)
-  if v_bias is not None:
-    o = o - v_bias
-  return jnp.sum(o * do.astype(jnp.float32), axis=-1).T.reshape(heads, -1)
 
 
 @functools.partial(jax.jit, static_argnums=(8, 9, 10, 11, 12))
@@ -938,16 +752,10 @@ def _backward(q, k, v, v_bias, o, lse, do, tables, at, tiling, interpret, sums=F
   None: the kernels' per-tile sums (_column_sums), summed over tiles here.)"""
   b, t, h, d = do.shape
   dof = _flat(do).astype(v.dtype)
-  if tiling.dq_from_ds and d == BLOCK:
-    delta = _delta(o, dof, v_bias, h)
-    grads, *dkv_sums, ds = _dkv(q, k, v, dof, lse, delta, None, tables, at, t, tiling,
-                                interpret, sums)
-    grads, dq_sums = _dq_from_ds_into(grads, k, ds, tables, at, t, tiling, interpret, sums)
-  else:
-    grads, delta, *dq_sums = _dq(q, k, v, v_bias, o, dof, lse, tables, at, t, tiling,
-                                 interpret, sums)
-    grads, dkv_sums = _dkv_into(grads, q, k, v, dof, lse, delta, tables, at, t, tiling,
-                                interpret, sums)
+  grads, delta, *dq_sums = _dq(q, k, v, v_bias, o, dof, lse, tables, at, t, tiling,
+                               interpret, sums)
+  grads, dkv_sums = _dkv_into(grads, q, k, v, dof, lse, delta, tables, at, t, tiling,
+                              interpret, sums)
   col_sums = None
   if sums:
     col_sums = jnp.concatenate([dq_sums[0], dkv_sums[0]], axis=1).sum(0).reshape(3, h, d)
@@ -1041,7 +849,6 @@ def causal_attention_qkv(qkv, bias=None, rope=None,
 def _query_keys(qkv, bias, rope):
   """q and k of ``[B, T, 3, H, D]`` with their bias and RoPE, as one
   ``[B T, 2H, D]`` (one XLA pass); with neither, the packed array itself."""
-  from darl_jax.models import posenc   # the model's rotation, not a copy of it
   b, t, _, h, d = qkv.shape
   if bias is None and rope is None:
     return qkv.reshape(b * t, 3 * h, d)
@@ -1051,7 +858,7 @@ def _query_keys(qkv, bias, rope):
   qk = qk.reshape(b, t, 2 * h, d)
   if rope is not None:
     cos, sin = (x.reshape(1, t, d // 2) for x in rope)
-    qk = posenc.apply_rope(qk, cos, sin)
+    qk = rope_lib.apply_rope(qk, cos, sin)
   return qk.reshape(b * t, 2 * h, d)
 
 
@@ -1087,15 +894,11 @@ def _qkv_bwd(tiling, interpret, res, do):
   # Every bias row is added to every token: its gradient is the column sum
   # of dqkv. The backward kernels take it in their epilogues, each CTA the
   # float32 column sums of the bf16 tiles it stores (_column_sums), so that
-  # what is left here is a sum over tiles of [N / 64, 3H, D] (9.6 MB per
-  # ViT-L/16 layer at batch 256) instead of a pass over the whole gradient
-  # (308 MB; 2.2 ms of a 182 ms step on an H200). The sums' products are
-  # not free: one more 64 x 64 x D product per gradient tile, about 10% more
-  # tensor-core work in kernels that are bound by it. Measured alone (H200,
-  # L/16 with RoPE, batch 256, per layer): the two kernels 0.560 -> 0.607
-  # ms, XLA's sum 0.087 ms, so about 0.04 ms a layer net (fwd + bwd 0.928
-  # -> 0.897 ms). Where the staged pieces are no wgmma operand (head dim 80
-  # with RoPE), XLA sums the gradient.
+  # what is left here is a sum over tiles of [N / 64, 3H, D], a 64th of the
+  # gradient, instead of a pass over the whole gradient; the sums cost one
+  # more 64 x 64 x D product per gradient tile, less than that pass. Where
+  # the staged pieces are no wgmma operand (head dim 80 with RoPE), XLA sums
+  # the gradient.
   in_kernel = bias is not None and _sums_in_kernel(do.shape[3], rope is not None)
   dqkv, sums = _backward(qk, qk, v, v_bias, o, lse, do, tables, at, tiling, interpret,
                          sums=in_kernel)
@@ -1243,10 +1046,9 @@ def causal_attention_projected(x, kernel, bias, rope,
 
   The projection is our own product kernel (hopper_gemm.gemm) with the bias
   and RoPE's rotation in its epilogue, so q and k come out rotated: no pass
-  of XLA's reads the product back to add the bias and rotate q and k (2.4 ms
-  of a 198 ms ViT-L/16 step at batch 256 on an H200), and the forward
-  attention kernel reads q, k and v from that one array (no copy of v for
-  the backward). The rounding differs from the model's XLA path: the bias
+  of XLA's reads the product back to add the bias and rotate q and k, and
+  the forward attention kernel reads q, k and v from that one array (no
+  copy of v for the backward). The rounding differs from the model's XLA path: the bias
   and the rotation are applied to the float32 product and rounded to bf16
   once, where the XLA path rounds the product, then the biased product,
   then the rotation.

@@ -34,6 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+# The rotation itself is the kernels' (its channel layout is theirs too);
+# models call it as posenc.apply_rope.
+from darl_jax.kernels.rope import apply_rope  # noqa: F401
+
 POSENCS = ("none", "sincos2d", "learned", "rope1d", "rope2d")
 ROTARY = ("rope1d", "rope2d")
 ADDITIVE = ("sincos2d", "learned")
@@ -100,21 +104,6 @@ def rope_angles(posenc: str, head_dim: int, max_wavelength: float,
 def rope_cos_sin(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Precomputed tables, computed once per forward pass and shared by all layers."""
   return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates ``x [B, T, H, D]`` by tables ``cos/sin [B or 1, T, D/2]``.
-
-  The rotation runs in float32 and is cast back to ``x.dtype``: one fused
-  elementwise pass under jit.
-  """
-  dtype = x.dtype
-  x = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  c = cos[:, :, None, :]
-  s = sin[:, :, None, :]
-  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-  return out.astype(dtype)
 
 
 # ---------------------------------------------------------- additive encodings
