@@ -7,8 +7,8 @@ its GPU kernel time per call from a profiler trace of ``--reps`` calls (so
 launch overhead is left out; on CPU, wall time), the bytes it must move
 (each input read once, each output written once) and the bandwidth that implies, beside
 a plain copy that gives the card's practical bandwidth. Used to find which of
-the step's elementwise and reduction kernels run far under bandwidth
-(benchmarks/RESULTS.md, "Where the time goes") and to A/B replacements.
+the step's elementwise and reduction kernels run far under bandwidth, and to
+A/B replacements.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main():
       n * d * 2 * 4)
 
   # The model's GELU (erf form, custom gradient) beside jax.nn.gelu's erfc
-  # form under autodiff, which it replaced (benchmarks/RESULTS.md).
+  # form under autodiff (see vit.gelu_exact for why the model's is faster).
   erfc_gelu = lambda h: nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
   for name, gelu in (("model", vit.gelu_exact), ("erfc autodiff", erfc_gelu)):
     def gelu_fwd_bwd(h, dy, gelu=gelu):

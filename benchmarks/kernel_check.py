@@ -18,8 +18,7 @@
   two.
 
 The CPU tests run the same computations in Pallas's interpreters; this is
-the check that the compiled kernels agree with them. Figures:
-benchmarks/RESULTS.md ("twelfth session").
+the check that the compiled kernels agree with them.
 """
 
 import argparse

@@ -11,14 +11,15 @@ bf16), then times:
 - the backward through fc2 and GELU under XLA and as ``matmul_scaled``;
 - the backward with fc1's bias gradient summed by XLA after it and inside
   the kernel (``col_sums``);
-- the kernels' earlier form, which kept ``h`` (not ``gelu'(h)``) for the
-  backward and evaluated the derivative in the backward's epilogue;
+- alternative epilogues as baselines: keeping ``h`` (not ``gelu'(h)``)
+  for the backward and evaluating the derivative in the backward's
+  epilogue, and rounding ``h`` to bf16 before the GELU as XLA does;
 - the whole MLP, forward and backward (weight gradients and bias sums
   included), as models.vit.Mlp and as hopper_mlp.mlp.
 Times are medians over repeats of back-to-back launches.
 
-``--trace=DIR`` also runs the forward (this and the tenth session's
-epilogue), a product-only and the backward kernel once each with Mosaic
+``--trace=DIR`` also runs the forward (with its epilogue and the rounding
+one), a product-only and the backward kernel once each with Mosaic
 GPU's on-device profiler, and prints per kernel the median cycles per tile
 of a warpgroup's main loop and epilogue, how much of each epilogue ran
 under the other warpgroup's main loop, and how long neither ran one.

@@ -44,15 +44,13 @@ class Tiling:
   tile's), so that one's epilogue always overlaps the other's products.
   Without it the turns come only from the order in which the ring's slots
   are filled, which lets the next tile's products start while this one's
-  finish. Measured: no difference (0.753 / 0.754 ms at L/16,
-  benchmarks/RESULTS.md, eleventh session; the ring already keeps the
-  turns), so off by default.
+  finish. Off by default: the ring already keeps the turns, and timing
+  showed no difference.
 
   ``inflight``: how many k-steps' products a compute warpgroup leaves
   running when it moves on to the next step (``wgmma_wait(inflight)``);
   a slot is released only once its products are done, so the ring's
-  look-ahead shrinks by the same number of slots. Measured: 2 is slower
-  than 1 with 4 or 5 slots (eleventh session).
+  look-ahead shrinks by the same number of slots; 1 is the faster one.
   """
   tile_m: int = 128
   tile_n: int = 128

@@ -1,12 +1,10 @@
 """The ViT MLP's GELU inside its matrix products, as Hopper (sm_90) kernels.
 
-Profiles of the pretraining step (benchmarks/RESULTS.md) put the exact GELU
-and its derivative among the largest memory-bound kernels: XLA computes
-``h = x W1 + b1`` with cuBLAS, then reads ``h`` back to write ``gelu(h)``,
-and in the backward writes ``dy W2^T`` only to read it back and multiply by
-``gelu'(h)``. cuBLAS's own GELU epilogue is the tanh approximation, not the
-model's exact GELU, so XLA cannot fold either pass into the GEMM. These two
-kernels do:
+XLA computes ``h = x W1 + b1`` with cuBLAS, then reads ``h`` back to write
+``gelu(h)``, and in the backward writes ``dy W2^T`` only to read it back and
+multiply by ``gelu'(h)``; cuBLAS's own GELU epilogue is the tanh
+approximation, not the model's exact GELU, so XLA cannot fold either pass
+into the GEMM. These two kernels do:
 
 - ``dense_gelu(x, w1, b1) -> (gelu(h), gelu'(h))``: the fc1 product with the
   bias, GELU and GELU's derivative applied to each output tile while it is
@@ -15,34 +13,19 @@ kernels do:
   that back-propagates through fc2, with the multiply in its epilogue; the
   matching derivative tile is fetched while the product runs.
 
-Both are hopper_gemm.gemm, one Pallas Mosaic GPU kernel: a persistent grid over
-output tiles; per CTA one memory warpgroup streams A and B tiles into shared
-memory through the bulk tensor copy engine, and two compute warpgroups take
-alternate output tiles ("ping-pong": one's epilogue runs while the other's
-``wgmma`` products do), each with a ``tile_m x tile_n`` float32
-accumulator; the epilogue runs on ``epi x epi`` sub-tiles and stores
-through shared memory with bulk copies.
+Both are hopper_gemm.gemm (a persistent, ping-pong kernel; see there). The
+epilogue is not hidden behind the other warpgroup's products (they slow
+down while it runs), so it is written for the fewest operations on the
+multiprocessor's quarter-rate pipe (special functions, conversions).
 
 ``mlp`` composes them into the MLP with a custom gradient. The backward
 kernel also sums its output's columns (fc1's bias gradient) on the tensor
 cores, so no pass of its own reads dh again; everything else (fc2, the
-weight gradients, fc2's bias sum) stays XLA's. The kernels need a Hopper
-GPU; elsewhere they run in Pallas's GPU interpret mode (slow, for tests;
-tests/test_kernels.py).
+weight gradients, fc2's bias sum) stays XLA's. Elsewhere than on a Hopper
+GPU the kernels run in Pallas's GPU interpret mode (slow, for tests). They
+lengthen the training step's compilation several times over.
 
-Use: ``model.mlp_impl='hopper'`` (models/vit.py). Measured on an H200 with
-jax 0.11.2 (benchmarks/RESULTS.md, "fifth", "tenth" and "eleventh
-session"): at the ViT-L/16 shape (batch 256), the forward 0.705 ms against
-XLA's 0.98 and cuBLAS's plain product's 0.55, the backward with the bias
-sum 0.70 ms against 1.03 + the sum; at ViT-H/14's (batch 192) 1.02 / 1.05 ms
-against 1.40 / 1.47. The forward's epilogue (the GELU) is not hidden behind
-the other warpgroup's products: an on-device trace of the kernel
-(``trace_dir``) shows the tensor cores always fed, but the products run
-slower while the other warpgroup's arithmetic runs, and at L/16 the
-epilogue (8.6k cycles per tile) outlasts the other's products (about 8k).
-So the epilogue is written for the fewest operations on the
-multiprocessor's quarter-rate pipe (special functions, conversions).
-Compiling the training step takes 100-135 s instead of about 20.
+Use: ``model.mlp_impl='hopper'`` (models/vit.py; the default on sm_90 in bf16).
 """
 
 from __future__ import annotations
@@ -83,9 +66,8 @@ DEFAULT_KERNELS = MlpKernels()
 # Taking Phi(x) = erfc(-x / sqrt 2) / 2 from it also avoids 1 + erf(x)'s
 # cancellation in the far negative tail.
 #
-# The epilogue is throughput-bound (its trace, benchmarks/RESULTS.md,
-# eleventh session: 10k cycles per tile against the products' 8k), and its
-# scarce resource is the quarter-rate pipe that the two special functions
+# The epilogue is throughput-bound (an on-device trace shows it outlasting
+# the other warpgroup's products), and its scarce resource is the quarter-rate pipe that the two special functions
 # and the float -> bf16 conversions share. So every constant is folded into
 # another operation: with u = |x| sqrt(log2(e) / 2), exp(-x^2 / 2) / sqrt(2 pi)
 # is exp2(log2(1 / sqrt(2 pi)) - u^2), one fused multiply-add into exp2,
@@ -152,9 +134,9 @@ def _fwd_epilogue_for(interpret: bool) -> Callable:
 
 def _fwd_epilogue(acc, bias, _, rsqrt=lax.rsqrt):
   # The GELU of the float32 pre-activation. (The XLA MLP rounds h to bf16
-  # first, as its fc1 output; doing that here cost two conversions per
-  # element on the epilogue's scarcest pipe, benchmarks/RESULTS.md, eleventh
-  # session, for a result one rounding further from the float32 MLP.)
+  # first, as its fc1 output; doing that here would cost two conversions
+  # per element on the epilogue's scarcest pipe, for a result one rounding
+  # further from the float32 MLP.)
   h = acc + lax.broadcast_in_dim(bias, acc.shape, [1])
   cdf, pdf = _cdf_pdf(h, rsqrt)
   return h * cdf, cdf + h * pdf

@@ -3,62 +3,34 @@
 XLA's LayerNorm makes two passes over the token rows forward (statistics,
 then the normalised output) and, in a pre-LN block, several backward (the
 row reductions, the column sums of the scale and bias gradients, the add of
-the residual stream's gradient). At ViT-L/16, batch 256 on an H200 that is
-0.26 ms per norm, 12 ms of a 195 ms step. Here each direction is one kernel:
+the residual stream's gradient). Here each direction is one kernel:
 
 - forward: a block of rows is read once, its mean and variance (two-pass,
   in float32) taken in registers, and ``y`` written; the float32 mean and
   reciprocal deviation per row are kept for the backward (8 bytes a row).
 - backward: a program walks its share of row blocks, writes
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy *
-  scale``, plus the gradient that reaches ``x`` around the norm (the
-  residual stream's, see below) in the same pass, and keeps the scale and
-  bias gradients' column sums in registers; one small ``[programs, 2 width]``
-  partial sum per program (``3 width`` with a deferred bias's, below) is
-  left for XLA to add up, in one reduction. The column sums are
-  carried per row of the block and reduced across the block's rows once,
-  at the end (``Blocks.bwd_block_sums``). ViT-B's 768 takes the same
-  formula in XLA (``XLA_BACKWARD_WIDTHS``), which measured faster there.
+  scale`` plus the gradient that reaches ``x`` around the norm in the same
+  pass, and keeps the scale and bias gradients' column sums in registers
+  (per row of the block, reduced once at the end: ``Blocks.bwd_block_sums``);
+  one ``[programs, 2 width]`` partial sum per program (``3 width`` with a
+  deferred bias) is left for XLA to add up. ViT-B's 768 takes the same
+  formula in XLA (``XLA_BACKWARD_WIDTHS``), which is faster there.
 
-``residual_layer_norm(x, scale, bias) -> (x, y)`` hands ``x`` on unchanged
-(no copy) next to ``y = LN(x)``: in a pre-LN block ``x`` goes on into the
-residual add, so its cotangent arrives in this op's backward and is added
-in the kernel instead of in a pass of XLA's own.
-
-``add_layer_norm(x, y, scale, bias) -> (s, LN(s))`` with ``s = x + y`` does
-the residual add in the forward kernel of the norm that follows it (the
-same kernel, given a second input and a second output): it reads ``x`` and
-``y`` and writes ``s`` and ``LN(s)``. In a GPU profile of the ViT-L/16 step
-(batch 256, bf16 rows [50432, 1024]) the 48 residual adds were passes of
-their own, 3.5 ms of 186 ms, each reading two arrays and writing ``s``,
-which the norm then read back; fused, that read is saved: about 1.4 ms a
-step by bytes moved; one add and norm forward at that shape, timed on an
-H200, 0.136 ms as XLA's add and the kernel, 0.115 ms fused (1.0 ms over 48;
-benchmarks/layer_norm_bench.py's second table). ``s`` is rounded as XLA's ``x + y`` is (bf16: a float32 add
-rounded to bf16), so the model's numbers do not change. The backward is
-``residual_layer_norm``'s at ``s`` (the add's gradient passes to ``x`` and
-``y`` unchanged), and reads no cotangent for ``s`` where ``s`` goes unused
-(a final norm).
-
-``add_bias_layer_norm(x, y, y_bias, scale, bias) -> (s, LN(s))`` with ``s =
-x + (y + y_bias)`` also adds the bias of the projection that made ``y``
-(the attention output projection's, the MLP's fc2's; "deferred bias"), as
-XLA rounds ``x + (y + y_bias)``. In a GPU profile of the ViT-H/14 step
-(batch 192, H200, with the add above fused) those two bias adds were
-passes of their own, ``attn/out/add`` and ``mlp/add``, 2.5 ms each of a
-410 ms step, each reading and writing a [rows, width] bf16 array; here the
-bias is a ``[width]`` vector read by the kernel that reads ``y`` anyway.
-Its gradient is the sum of the sum's gradient over the rows, taken in the
-backward kernel as a third column sum (after the scale's and bias's).
+Three entry points, each ``-> (residual, LN(residual))``:
+``residual_layer_norm(x, scale, bias)`` hands ``x`` on unchanged, so the
+residual stream's cotangent is added in this op's backward kernel;
+``add_layer_norm(x, y, ...)`` also does the residual add ``s = x + y`` in
+the forward kernel (saving a pass that writes ``s`` for the norm to read
+back); ``add_bias_layer_norm(x, y, y_bias, ...)`` also adds the deferred
+bias of the projection that made ``y``, its gradient a third column sum in
+the backward kernel. Invariant: ``s`` is rounded as XLA rounds ``x + (y +
+y_bias)``, so the model's numbers do not change with ``norm_impl``.
 
 Triton blocks are powers of two, so a row is held as power-of-two chunks
 (ViT-H's 1280 as 1024 + 256; ``chunks``). On CPU the kernels run in
-Pallas's interpreter (tests); on TPUs use XLA's (``model.norm_impl='xla'``).
-
-Use: ``model.norm_impl='triton'`` (models/vit.py). Measured on an H200
-(benchmarks/RESULTS.md, "ninth session"), before the add was fused: the
-forward 28-35% faster than XLA's at ViT-B/L/H widths, forward + backward
-20% at ViT-L's 1024, the ViT-L/16 training step 1.1% faster.
+Pallas's interpreter (tests). Use: ``model.norm_impl='triton'``
+(models/vit.py; the default on sm_90 in bf16); on TPUs, XLA's.
 """
 
 from __future__ import annotations
@@ -120,21 +92,14 @@ class Blocks:
     return chunks(width)
 
 
-# Measured on an H200 (benchmarks/RESULTS.md, "twelfth session"): at ViT-H's
-# 1280 the backward kernel with block sums is 0.326 ms fwd+bwd per norm
-# against XLA's 0.354 alone, and in the ViT-H/14 diffusion step (8 blocks,
-# batch 192, one process) +2.7% img/s over XLA's backward, whose fusions in
-# the step also take in the neighbouring bias sums and converts; at 1024 the
-# block sums are a tie with the per-step reduction (0.209 / 0.208 ms).
+# The backward kernel with block sums: faster than XLA's backward at ViT-H's
+# 1280, alone and in the training step; at 1024 the block sums tie with the
+# per-step reduction (benchmarks/layer_norm_bench.py).
 DEFAULT_BLOCKS = Blocks()
 
-# Widths where other blocks measured faster (the model's norms take
-# ``blocks_for(width)``). ViT-L's 1024: the backward over 2 rows per block,
-# fwd+bwd per norm at L/16 batch 256 on an H200 (benchmarks/layer_norm_bench.py,
-# fourteenth session) 0.196 against 0.207 ms for residual_layer_norm and
-# 0.308 against 0.321 for add_bias_layer_norm (twelfth session, another
-# card: 0.200 against 0.209). At ViT-H's 1280 four rows stay faster (0.466
-# against 0.499 ms for add_bias_layer_norm).
+# Widths where other blocks are faster (the model's norms take
+# ``blocks_for(width)``): at ViT-L's 1024 the backward over 2 rows per block
+# (at ViT-H's 1280 the default four rows stay faster).
 WIDTH_BLOCKS = {1024: dataclasses.replace(DEFAULT_BLOCKS, bwd_rows=2)}
 
 
@@ -143,8 +108,7 @@ def blocks_for(width: int) -> Blocks:
   return WIDTH_BLOCKS.get(width, DEFAULT_BLOCKS)
 
 # Widths whose backward stays XLA's under ``bwd='auto'``: ViT-B's 768, where
-# the kernel (512 + 256 chunks) measured slower alone (0.882 against 0.784 ms
-# fwd+bwd at batch 1024) and was not measured in the step.
+# the kernel (512 + 256 chunks) is slower than XLA's.
 XLA_BACKWARD_WIDTHS = (768,)
 
 
@@ -508,8 +472,7 @@ def _add_bias_bwd(eps, blocks, interpret, saved, cotangents):
   *saved, bias_like = saved
   # y_bias's gradient, the row sum of d, is a third column sum in the
   # backward kernel's pass, not a pass of XLA's own over d (one [rows,
-  # width] read per norm: 2.2 ms of a 198 ms ViT-L/16 step at batch 256 on
-  # an H200, 48 norms)
+  # width] read per norm)
   d, dy, dscale, dbias, dsum = _add_bwd(eps, blocks, interpret, tuple(saved), cotangents,
                                         sum_dx=True)
   return d, dy, dsum.astype(bias_like.dtype), dscale, dbias

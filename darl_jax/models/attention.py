@@ -38,9 +38,9 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str = "xla",
   ``xla`` works everywhere (softmax in float32). ``cudnn`` is the fused flash
   kernel on NVIDIA GPUs; it needs bf16/fp16 inputs and, on the cards we tried,
   an even sequence length (see docs). ``hopper`` runs causal attention
-  without a mask through our sm_90 kernels (kernels/hopper_attention.py:
-  25-45% less time than cuDNN at the ViT-L/16 and H/14 pretraining shapes)
-  and everything else as ``auto``. ``auto`` is ``cudnn`` where cuDNN takes
+  without a mask through our sm_90 kernels (kernels/hopper_attention.py,
+  faster than cuDNN at the pretraining shapes) and everything else as
+  ``auto``. ``auto`` is ``cudnn`` where cuDNN takes
   the inputs (``_cudnn_takes``) and ``xla`` elsewhere (off the GPU the
   Hopper kernels run in Pallas's interpreter, for tests). ``mask`` ([B or 1, 1 or H, Tq, Tk], True
   = attend) is combined with the causal mask when both are given.
@@ -338,10 +338,8 @@ class ReadoutAttention(nn.Module):
   slices of one ``[B, 2, D]`` sequence saves the stack before the block and,
   in the backward, the pads and adds that slicing the query's row and the
   residual's out of the sequence cost; for two tokens the attention itself
-  is ``two_key_attention``. The decoder's passes outside its matrix
-  products went from 3.0 to 2.4 ms a ViT-L/16 step with the two arrays, and
-  to 2.1 ms with ``two_key_attention`` (batch 256, H200;
-  benchmarks/RESULTS.md, twentieth session).
+  is ``two_key_attention``: both shorten the decoder's passes outside its
+  matrix products.
   """
   num_heads: int
   dtype: Any = jnp.float32

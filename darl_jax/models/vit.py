@@ -74,8 +74,7 @@ def gelu_exact(x):
   """Exact GELU, x * Phi(x) = x/2 * (1 + erf(x / sqrt 2)), in float32, returned
   in ``x``'s dtype.
 
-  Two choices, both for speed with the same function (measured on the
-  ViT-L/16 step, benchmarks/RESULTS.md):
+  Two choices, both for speed with the same function:
   - ``erf``, as PyTorch's exact GELU, not ``jax.nn.gelu``'s ``erfc`` form:
     XLA expands erfc into both branches of a piecewise approximation with an
     exp and a division, which made the MLP's GELU kernels compute-bound. The
@@ -83,10 +82,9 @@ def gelu_exact(x):
     cancels, in the far negative tail).
   - A custom gradient that keeps only ``x`` (already in memory, bf16 in
     training) and recomputes Phi(x) + x phi(x) from it. Left to autodiff,
-    XLA saved a float32 intermediate of the MLP's widest activation
-    ([tokens, 4 * width]), 9 GB of a ViT-L/16 step at batch 128.
-  Evaluating in float32 also lets XLA fuse the GELU into one kernel (the
-  denoising decoder's sampling loop ran 7% faster, docs/SAMPLING.md).
+    XLA saves a float32 intermediate of the MLP's widest activation
+    ([tokens, 4 * width]).
+  Evaluating in float32 also lets XLA fuse the GELU into one kernel.
   """
   x32 = x.astype(jnp.float32)
   return (0.5 * x32 * _erf_term(x32)).astype(x.dtype)
@@ -110,7 +108,7 @@ gelu_exact.defvjp(_gelu_exact_fwd, _gelu_exact_bwd)
 # "hopper": the same function on darl_jax/kernels/hopper_mlp.py's Hopper
 # kernels (the GELU and its derivative inside the matrix products, of the
 # float32 pre-activation where "xla" rounds it to bf16 first; bf16,
-# sm_90 GPUs; benchmarks/RESULTS.md has the speed-up) wherever batch x tokens
+# sm_90 GPUs) wherever batch x tokens
 # is a multiple of 128, the XLA MLP elsewhere. Same parameters.
 MLP_IMPLS = ("xla", "hopper")
 
@@ -194,7 +192,7 @@ class Mlp(nn.Module):
 # "xla": flax's nn.LayerNorm. "triton": the same function and parameters on
 # darl_jax/kernels/layer_norm.py's Pallas Triton kernels (NVIDIA GPUs), one
 # pass over the tokens each way, with the residual stream's gradient added in
-# the norm's backward (benchmarks/RESULTS.md has the speed-up), and each
+# the norm's backward, and each
 # residual add done in the forward kernel of the norm that follows it (see
 # Block), with the bias of the projection that ends the branch.
 NORM_IMPLS = ("xla", "triton")
@@ -303,19 +301,16 @@ class Block(nn.Module):
   Each residual add feeds a norm, and with ``norm_impl='triton'`` it is done
   in that norm's forward kernel (``pre_norm``'s ``add``) instead of in an XLA
   pass of its own: the attention branch's add in norm2, and, between blocks,
-  the MLP branch's add in the next block's norm1 (or the final norm). In the
-  ViT-L/16 step (batch 256, bf16; a GPU profile) the 48 adds were 3.5 ms of
-  186 ms, each reading two [50432, 1024] arrays and writing one that the norm
-  then read back; fused, that read is saved (about 1.4 ms a step by bytes
-  moved; darl_jax/kernels/layer_norm.py has a timing).
+  the MLP branch's add in the next block's norm1 (or the final norm). An
+  add of its own reads two arrays and writes one that the norm then reads
+  back; fused, that read is saved.
 
   The biases of the projections that end the branches (the attention's
   output projection, the MLP's fc2) are added in the same kernels
   (``defers_bias``: triton norms, no drop path): the projections return
   ``(product, bias)`` and the norm adds ``x + (product + bias)``, rounded
-  as XLA would. In the ViT-H/14 step (batch 192, H200; a GPU profile) those
-  bias adds, ``attn/out/add`` and ``mlp/add``, were passes of their own,
-  2.5 ms each of 410 ms, each reading and writing a [rows, width] array.
+  as XLA would; otherwise each bias add is a pass of its own, reading and
+  writing a [rows, width] array.
 
   For the add between blocks the block hands its output on un-added:
   ``return_branch=True`` returns ``(x, branch)`` with the output ``x +
