@@ -2,9 +2,7 @@
 
 Run (TPU pod or GPU cluster; ImageNet prepared for TFDS, see README):
   python -m darl_jax.main --config=experiments/vit_l16_mse.py --workdir=gs://<bucket>/darl_vit_l16_mse
-On NVIDIA GPUs add --config.model.attention_impl=cudnn (fused flash attention);
-on H100/H200 --config.model.attention_impl=hopper --config.model.mlp_impl=hopper
---config.model.norm_impl=triton is faster (README, GPUs).
+On GPUs the defaults (model.*_impl=auto) pick the fused kernels (README, GPUs).
 A quick smoke run of the same config: --config.total_steps=10 --config.batch_size=64
 
 Recipe (appendix "ImageNet Pre-training Hyperparams"): 224x224, 2D RoPE,
