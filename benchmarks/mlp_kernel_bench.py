@@ -85,14 +85,14 @@ def rel_err(a, b):
 
 
 def _h_and_gelu(acc, bias, _):
-  """The forward epilogue's earlier form: (h, gelu(h))."""
+  """A forward epilogue that keeps h instead of gelu'(h): (h, gelu(h))."""
   h = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
   return h, hopper_mlp.kernel_gelu(h.astype(jnp.float32))
 
 
 def _rounded_h_unfolded(acc, bias, _):
-  """The forward epilogue of the tenth session: h rounded to bf16 before the
-  GELU (as the XLA MLP's fc1 output is), the constants not folded."""
+  """A forward epilogue with h rounded to bf16 before the GELU (as the XLA
+  MLP's fc1 output is) and the constants not folded."""
   h = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
   h = h.astype(jnp.float32)
   z = jnp.abs(h) * 2.0 ** -0.5
@@ -108,7 +108,7 @@ def _rounded_h_unfolded(acc, bias, _):
 
 
 def _times_gelu_grad(acc, _, h):
-  """The backward epilogue's earlier form: the derivative evaluated from h."""
+  """A backward epilogue that evaluates the derivative from h."""
   return (acc * hopper_mlp.kernel_gelu_grad(h),)
 
 
@@ -222,8 +222,8 @@ def trace_kernels(folder, x, w, b, dy, wt, scale, tiling):
   cases = {
       "dense_gelu (g, gelu')": dict(a=x, b=w, bias=b, num_out=2,
                                     epilogue=hopper_mlp._fwd_epilogue_for(interpret=False)),
-      "tenth session's dense_gelu": dict(a=x, b=w, bias=b, num_out=2,
-                                         epilogue=_rounded_h_unfolded),
+      "dense_gelu, h rounded first": dict(a=x, b=w, bias=b, num_out=2,
+                                          epilogue=_rounded_h_unfolded),
       "product only": dict(a=x, b=w, num_out=1, epilogue=lambda acc, *_: (acc,)),
       "matmul_scaled (no column sums)": dict(a=dy, b=wt, aux=scale, num_out=1,
                                              epilogue=hopper_mlp._scale_epilogue),
@@ -311,9 +311,9 @@ def main():
                (x, w1b, b1), check_g)
   kernel_row(f"dense_gelu with Mosaic's rsqrt (not flush-to-zero) {tilings[0]}",
              forward_with(hopper_mlp._fwd_epilogue), (x, w1b, b1), check_g)
-  kernel_row(f"tenth session's form: h rounded first, constants unfolded {tilings[0]}",
+  kernel_row(f"h rounded first, constants unfolded {tilings[0]}",
              forward_with(_rounded_h_unfolded), (x, w1b, b1), check_g)
-  kernel_row(f"earlier form -> (h, g) {tilings[0]}", forward_with(_h_and_gelu), (x, w1b, b1),
+  kernel_row(f"keeping h -> (h, g) {tilings[0]}", forward_with(_h_and_gelu), (x, w1b, b1),
              lambda o: f"h {rel_err(o[0], h_ref):.1e}, g {rel_err(o[1], g_ref):.1e}")
   rows.append(("XLA dy @ w2^T, GELU backward", timed(xla_bwd, dy, w2tb, h_ref), ""))
   for t in tilings:
@@ -331,7 +331,7 @@ def main():
                                                                 tiling=t0)),
              (dy, w2tb, dg_ref.astype(bf)),
              lambda o: f"dh {rel_err(o[0], dh_ref):.1e}, db1 {rel_err(o[1], db1_ref):.1e}")
-  kernel_row(f"earlier form: dgelu from h {tilings[0]}",
+  kernel_row(f"dgelu from h in the epilogue {tilings[0]}",
              jax.jit(lambda dy, wt, h: hopper_gemm.gemm(dy, wt, aux=h, epilogue=_times_gelu_grad,
                                                         num_out=1, tiling=tilings[0])[0]),
              (dy, w2tb, h_ref), lambda o: f"dh {rel_err(o, dh_ref):.1e}")

@@ -1,41 +1,35 @@
 """Causal attention over short image sequences, as Hopper (sm_90) kernels.
 
-The pretraining step's attention is ``batch x heads`` independent causal
-problems of only 196 (ViT-L/16) or 256 (ViT-H/14) tokens, too short for
-flash kernels whose tiles are sized for long sequences. These kernels see
-the batch as one flat sequence of ``B * T`` tokens with a block-diagonal
-causal mask (token r attends to c when both are in one image and c <= r),
-cut into 64-row tiles: no padding, no copy (``[B, T, H, D] -> [B T, H, D]``
-is a reshape), every tile a full ``wgmma``; a tile that straddles two images
-is masked per row, and a query tile needs at most ``ceil(T / 64) + 1`` key
-tiles.
+The step's attention is ``batch x heads`` causal problems of only 196
+(ViT-L/16) or 256 (ViT-H/14) tokens, too short for flash kernels' tiles.
+These kernels see the batch as one flat sequence of ``B * T`` tokens with a
+block-diagonal causal mask (r attends to c when both are in one image and
+c <= r), in 64-row tiles: no padding, no copy, every tile a full ``wgmma``;
+a tile that straddles two images is masked per row.
 
 Three kernels, each a grid of (64-row tile, head) with one warpgroup that
-issues its own tile copies into ``AttentionTiling.slots`` slots:
-``_forward`` (O and the base-2 log-sum-exp, online softmax), ``_dq`` (dQ,
+streams its tiles through ``AttentionTiling.slots`` shared-memory slots:
+``_forward`` (O and the base-2 log-sum-exp, online softmax), ``_dq`` (dQ
 and delta = rowsum(dO * O)) and ``_dkv`` (dK, dV, written into _dq's
-gradient array in place). dQ apart from dK/dV recomputes two products per
-tile pair and needs no atomics. Probabilities and score gradients stay in
-registers as the next product's operand.
+gradient array in place). Keeping dQ apart from dK/dV recomputes two
+products per tile pair but needs no atomics. Probabilities and score
+gradients stay in registers as the next product's operand.
 
-Entry points, each with a custom gradient:
-
-- ``causal_attention_qkv(qkv, bias, rope)``: from the packed projection
-  ``[B, T, 3, H, D]``; v is read in place, v's bias is added to the output,
-  RoPE's transpose is applied to dQ and dK in the backward's epilogues, and
-  the gradient comes out in the projection's own ``[B, T, 3, H, D]``
-  layout, with the bias gradient's column sums taken in the same epilogues.
-- ``causal_attention_projected(x, kernel, bias, rope)``: from the block's
-  input; the q/k/v product is hopper_gemm's kernel with the bias and RoPE
-  in its epilogue (head dim 64).
-- ``causal_attention(q, k, v)``: three ``[B, T, H, D]`` arrays.
+Entry points, each with a custom gradient: ``causal_attention_qkv(qkv,
+bias, rope)`` from the packed projection ``[B, T, 3, H, D]`` (v read in
+place, v's bias added to the output, RoPE's transpose and the bias
+gradient's column sums in the backward's epilogues, the gradient in the
+projection's own layout); ``causal_attention_projected(x, kernel, bias,
+rope)`` from the block's input, the q/k/v product hopper_gemm's kernel with
+the bias and RoPE in its epilogue (head dim 64); ``causal_attention(q, k,
+v)`` on three ``[B, T, H, D]`` arrays.
 
 Invariants: bf16 inputs, ``T >= 64``, ``B * T`` a multiple of 64, head dim
 a multiple of 16 up to 256 (check_shapes names the fix otherwise); RoPE
 tables are one ``[T, D/2]`` pair shared by the batch, in kernels/rope.py's
-"rotate half" layout. models/attention.py calls these where they fit
-(``model.attention_impl='hopper'``, the default on sm_90 in bf16) and cuDNN
-or XLA elsewhere.
+layout. models/attention.py calls these where they fit
+(``attention_impl='hopper'``, the default on sm_90 in bf16), cuDNN or XLA
+elsewhere.
 """
 
 from __future__ import annotations

@@ -27,10 +27,9 @@ bias of the projection that made ``y``, its gradient a third column sum in
 the backward kernel. Invariant: ``s`` is rounded as XLA rounds ``x + (y +
 y_bias)``, so the model's numbers do not change with ``norm_impl``.
 
-Triton blocks are powers of two, so a row is held as power-of-two chunks
-(ViT-H's 1280 as 1024 + 256; ``chunks``). On CPU the kernels run in
-Pallas's interpreter (tests). Use: ``model.norm_impl='triton'``
-(models/vit.py; the default on sm_90 in bf16); on TPUs, XLA's.
+Rows are held as power-of-two chunks (Triton blocks; ViT-H's 1280 as 1024 +
+256). On CPU the kernels run in Pallas's interpreter (tests). Use:
+``model.norm_impl='triton'`` (the default on sm_90 in bf16).
 """
 
 from __future__ import annotations
