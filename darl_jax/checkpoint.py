@@ -45,6 +45,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from darl_jax import interrupts
+
 # Item names inside each step directory. Kept as constants because
 # restore_params reads checkpoints written by (possibly older) training runs.
 STATE_ITEM = "state"
@@ -255,8 +257,10 @@ class Checkpointer:
     Orbax's policy declined (a step not newer than the latest, unless
     ``force``).
     """
-    step = int(step)
-    meta = _copy_json(meta)
+    with interrupts.deferred():    # a save cut short would break Orbax's threads
+      return self._save(int(step), state, _copy_json(meta), force)
+
+  def _save(self, step: int, state: Any, meta: dict, force: bool) -> bool:
     if step in self._manager.all_steps():
       logging.info("Checkpoint for step %d already exists in %s; not saving.",
                    step, self._directory)
@@ -316,15 +320,17 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until any async save has been fully committed."""
-    self._manager.wait_until_finished()
+    with interrupts.deferred():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's resources. Idempotent."""
     if self._closed:
       return
     self._closed = True
-    self._manager.wait_until_finished()
-    self._manager.close()
+    with interrupts.deferred():
+      self._manager.wait_until_finished()
+      self._manager.close()
 
   def tmp_dirs(self) -> list[epath.Path]:
     """Temporary directories of saves in flight or cut short."""
@@ -342,7 +348,8 @@ class Checkpointer:
       return
     self._closed = True
     try:
-      self._manager.wait_until_finished()
+      with interrupts.deferred():
+        self._manager.wait_until_finished()
     except BaseException as e:  # pylint: disable=broad-except
       logging.warning("the checkpoint save in flight failed (%s); removing it", _short(e))
     finally:
@@ -367,7 +374,8 @@ class Checkpointer:
     surplus = steps[:-keep] if keep > 0 else []
     for step in surplus:
       logging.info("removing checkpoint %d beyond keep_checkpoints=%d", step, keep)
-      self._manager.delete(step)
+      with interrupts.deferred():       # not a half-deleted folder
+        self._manager.delete(step)
     if surplus:
       self._manager.reload()
     return surplus

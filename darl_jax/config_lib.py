@@ -315,6 +315,19 @@ _RULES = [
     ("sample.num_steps", _int(1), "a positive integer", 1000),
     ("sample.temperature", lambda v: v >= 0, "a number >= 0", 1.0),
     ("sample.classifier_steps", _int(0), "an integer >= 0", 0),
+    ("sample.classifier_batch_size", _int(1), "a positive integer", 256),
+    ("probe_eval.num_train_examples", _int(1), "a positive integer", 5000),
+    ("probe_eval.num_eval_examples", _int(1), "a positive integer", 2000),
+    ("probe_eval.l2", lambda v: v >= 0, "a number >= 0", 1e-3),
+    ("probe_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("randaugment.num_ops", _int(0), "an integer >= 0 (0: off)", 2),
+    ("randaugment.magnitude", lambda v: v >= 0, "a number >= 0", 9.0),
+    ("randaugment.magnitude_std", lambda v: v >= 0, "a number >= 0", 0.5),
+    ("randaugment.prob", lambda v: 0 <= v <= 1, "in [0, 1]", 0.5),
+    ("mixup.mixup_alpha", lambda v: v >= 0, "a number >= 0 (0: off)", 0.8),
+    ("mixup.cutmix_alpha", lambda v: v >= 0, "a number >= 0 (0: off)", 1.0),
+    ("mixup.switch_prob", lambda v: 0 <= v <= 1, "in [0, 1]", 0.5),
+    ("mixup.prob", lambda v: 0 <= v <= 1, "in [0, 1]", 1.0),
 ]
 
 

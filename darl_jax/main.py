@@ -8,13 +8,13 @@ workdir resumes from the newest complete checkpoint.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from darl_jax import distributed  # defines --distributed, --coordinator, ...
+from darl_jax import interrupts
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
@@ -40,12 +40,20 @@ def get_trainer(name: str):
 
 
 def _quiet_library_logs():
-  """Orbax logs every save step at INFO through absl; keep its warnings only."""
+  """Orbax logs every save step at INFO through absl; keep its warnings only.
+  An interrupt (Ctrl-C, SIGTERM) that lands while Orbax waits for a save makes
+  it log that wait's traceback as an error: the loop then finishes the save
+  itself, so that report goes too."""
   import logging as py_logging
 
   class DropChatter(py_logging.Filter):
     def filter(self, record):
-      return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
+      if "/orbax/" not in record.pathname:
+        return True
+      exc = record.exc_info[0] if record.exc_info else None
+      if exc is not None and issubclass(exc, (KeyboardInterrupt, interrupts.Terminated)):
+        return False
+      return record.levelno >= py_logging.WARNING
 
   logging.get_absl_handler().addFilter(DropChatter())
 
@@ -71,17 +79,6 @@ def _traceback_file(workdir: str | None, exc: BaseException) -> str | None:
     except OSError:
       continue
   return None
-
-
-class Terminated(Exception):
-  """SIGTERM (a preemption, a scheduler's stop) as an exception, so that the
-  loop's clean-up runs: the checkpoint save in flight is finished, the lock
-  released."""
-
-
-def _raise_terminated(signum, frame):
-  del signum, frame
-  raise Terminated()
 
 
 def _fail(message: str, code: int = 1):
@@ -117,13 +114,15 @@ def main(argv):
   except ValueError as e:
     _fail(str(e))
   from darl_jax.train import loop
-  signal.signal(signal.SIGTERM, _raise_terminated)
+  # Ctrl-C and SIGTERM raise (once any checkpoint save under way has started),
+  # so that the loop finishes that save and releases the workdir's lock.
+  interrupts.install()
   try:
     trainer = get_trainer(config.trainer)(config)
     loop.run(trainer, config, _WORKDIR.value)
   except KeyboardInterrupt:
     _fail("interrupted; rerun the same command to resume from the last checkpoint", 130)
-  except Terminated:
+  except interrupts.Terminated:
     _fail("terminated (SIGTERM); rerun the same command to resume from the last "
           "checkpoint", 143)
   except (ValueError, OSError, loop.NonFiniteError) as e:

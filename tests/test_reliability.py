@@ -407,3 +407,34 @@ def test_surplus_checkpoints_are_removed_at_start_up(workdir):
   assert steps_on_disk(workdir) == [2, 4]
   train(workdir, total_steps=4, checkpoint_every_steps=2, keep_checkpoints=1)
   assert steps_on_disk(workdir) == [4]
+
+
+def test_sigterm_during_a_save_waits_for_the_save(tmp_path):               # 2
+  # SIGTERM (a preemption) raises Terminated, but only once the checkpoint
+  # save under way has started cleanly; the loop's clean-up then finishes it.
+  from darl_jax import interrupts
+  old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+  interrupts.install()
+  try:
+    ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ck"))
+    saved = []
+    real_save = ckpt._save
+
+    def save_hit_by_sigterm(*args):
+      os.kill(os.getpid(), signal.SIGTERM)      # arrives in the middle of the save
+      time.sleep(0.05)
+      saved.append(real_save(*args))
+      return saved[-1]
+    ckpt._save = save_hit_by_sigterm
+    with pytest.raises(interrupts.Terminated):
+      with ckpt:
+        ckpt.save(1, {"w": jax.numpy.ones((256, 256))}, {"step": 1})
+        raise AssertionError("not reached: Terminated is raised when save returns")
+    assert saved == [True]
+    assert os.listdir(tmp_path / "ck") == ["1"]
+    with pytest.raises(interrupts.Terminated):        # outside a save: at once
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(1)
+  finally:
+    signal.signal(signal.SIGTERM, old_term)
+    signal.signal(signal.SIGINT, old_int)
