@@ -63,7 +63,9 @@ def prepare(workdir) -> epath.Path:
   if not is_remote(workdir):
     # A real write, not os.access: root passes access checks on read-only
     # directories, and read-only mounts fail only on writing.
-    probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+    # Named per process: every process of a multi-host job checks, possibly
+    # on one shared file system.
+    probe = os.path.join(workdir, f".write-test-{socket.gethostname()}-{os.getpid()}")
     try:
       with open(probe, "w"):
         pass
