@@ -301,6 +301,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       str(workdir), is_main_process=is_main, tensorboard=config.get("tensorboard", True)))
 
   # ------------------------------------------------------------ mesh and data
+  started = time.perf_counter()
   enable_compilation_cache(config)
   mesh = sharding_lib.make_mesh(config.mesh)
   if "model" in config:
@@ -422,15 +423,14 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     ckpt.save(step, state, meta)
 
   # ---------------------------------------------------------------- the loop
-  resume_data_state = None
-  if start_step:
-    resume_data_state = ckpt.restore_meta(start_step).get("data_state")
+  resume_data_state = resume_meta.get("data_state")
   host_batches = train_source.train_iterator(
       config.batch_size, start_step=start_step, process_index=jax.process_index(),
       process_count=jax.process_count(), num_workers=config.data.get("num_workers", -1),
       state=resume_data_state)
   data_state = resume_data_state
   feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
+  cleanup.callback(feed.close)
   clock = feed_lib.StepClock(feed)
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step=start_step)
   param_norm = jax.jit(optax.tree.norm)
@@ -457,6 +457,8 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     clock.tick()
     if step == start_step + 1:
       jax.block_until_ready(metrics["loss"])
+      logging.info("first step done %.1f s after the run started (compilation included)",
+                   time.perf_counter() - started)
       clock.skip()    # the first step's compilation is not a step's time
     if step % config.log_every_steps == 0 or step == total_steps:
       last = _mean_metrics(history, log_carry)
