@@ -216,6 +216,7 @@ class Checkpointer:
     self._directory = absolute_path(directory)
     self._async = async_save
     self._closed = False
+    self.skipped_damaged: list[tuple[int, str]] = []   # (step, why) by restore_newest
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
@@ -416,7 +417,7 @@ class Checkpointer:
     older checkpoint of the same run would not fit either.
     """
     self._manager.wait_until_finished()
-    skipped = []
+    skipped = self.skipped_damaged = []
     for step in reversed(self.all_steps()):
       try:
         meta = self.restore_meta(step)

@@ -341,6 +341,17 @@ def test_an_empty_step_folder_is_skipped_not_a_config_error(workdir):
   assert (workdir / "checkpoints.damaged" / "9").is_dir()
 
 
+def test_when_no_checkpoint_restores_the_run_starts_over_keeping_the_old_metrics(workdir):
+  old = (workdir / "metrics.jsonl").read_text()
+  for step in ("2", "4"):
+    (workdir / "checkpoints" / step / "meta" / "metadata").write_text("")   # zeroed
+  train(workdir, total_steps=4, checkpoint_every_steps=2)
+  assert steps_on_disk(workdir) == [2, 4]
+  assert sorted(os.listdir(workdir / "checkpoints.damaged")) == ["2", "4", "metrics.jsonl"]
+  assert (workdir / "checkpoints.damaged" / "metrics.jsonl").read_text() == old
+  assert [r["step"] for r in records(workdir)] == [1, 2, 3, 4]
+
+
 # ------------------------------------------- 9: another optimizer on resume
 
 

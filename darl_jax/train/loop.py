@@ -40,6 +40,7 @@ from etils import epath
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
 from darl_jax import data as data_lib
+from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
@@ -386,6 +387,12 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     params = trainer.load_pretrained(ctx, state["params"])
     state["params"] = jax.device_put(params, state_shardings["params"])
     start_step = 0
+    if ckpt.skipped_damaged and is_main and (workdir / "metrics.jsonl").exists():
+      # Every checkpoint was damaged: the run starts over, and the records of
+      # the earlier one go beside its checkpoints instead of being dropped.
+      kept = workdir / checkpoint_lib.DAMAGED_DIR / "metrics.jsonl"
+      files.write_text_atomic(kept, (workdir / "metrics.jsonl").read_text())
+      logging.warning("the earlier run's metrics.jsonl is kept as %s", kept)
   # Every resume check passed: from here on the run writes into the workdir.
   # Surplus checkpoints (a kill between a commit and Orbax's keep-N clean-up)
   # go now, records a killed run logged past this step leave metrics.jsonl
