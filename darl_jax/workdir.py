@@ -22,7 +22,9 @@ the second run fails at once, naming the holder (pid, host, start time).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import json
 import os
 import socket
@@ -160,8 +162,15 @@ class WorkdirLock:
                            "the workdir must be writable") from e
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except OSError:
+      except OSError as e:
         os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          # A file system without flock (some network mounts): the lock file.
+          logging.warning("%s: no flock on this file system (%s); using the lock "
+                          "file's pid and host instead", path, e)
+          self._flock = False
+          self._acquire_file()
+          return
         raise self._held_by_other_error(self.read_holder(), "") from None
       # A holder releasing at this moment unlinks the file it locked: if the
       # file we locked is no longer the one at the path, lock the new one.
@@ -184,8 +193,10 @@ class WorkdirLock:
     holder = self.read_holder() if self.path.exists() else None
     if self.path.exists():
       same_host = holder and holder.get("host") == socket.gethostname()
-      if same_host and not _pid_alive(int(holder.get("pid", -1)),
-                                      holder.get("pid_start_time")):
+      if holder is None and not self.path.read_text().strip():
+        pass      # empty: left by a flock attempt, or a writer killed mid-write
+      elif same_host and not _pid_alive(int(holder.get("pid", -1)),
+                                        holder.get("pid_start_time")):
         logging.info("taking over the stale lock of %s", _describe(holder))
       elif holder == self._record:
         pass                                    # ours, from an earlier call
@@ -235,7 +246,6 @@ def hold(workdir, *, is_main: bool):
   takes it; in a multi-process job the others learn whether it succeeded (a
   collective), so that every process fails together instead of waiting for
   process 0 at the first collective of the run."""
-  import contextlib
 
   @contextlib.contextmanager
   def held():

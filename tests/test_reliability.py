@@ -267,6 +267,24 @@ def test_remote_style_lock_file(tmp_path):
     workdir_lib.WorkdirLock(tmp_path, use_flock=False).acquire()
 
 
+def test_lock_falls_back_to_the_lock_file_without_flock(tmp_path, monkeypatch):
+  # Some network file systems have no flock: the pid + host protocol instead.
+  import errno
+  import fcntl
+
+  def no_flock(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+  monkeypatch.setattr(fcntl, "flock", no_flock)
+  lock = workdir_lib.WorkdirLock(tmp_path).acquire()
+  assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+  other = workdir_lib.WorkdirLock(tmp_path)
+  other._record = {**other._record, "pid_start_time": "another process"}
+  with pytest.raises(workdir_lib.WorkdirError, match=f"in use by pid {os.getpid()}"):
+    other.acquire()
+  lock.release()
+  assert not (tmp_path / "run.lock").exists()
+
+
 # ------------------------------------- 5, 7: bad values fail before any write
 
 
