@@ -57,6 +57,21 @@ def _quiet_library_logs():
 
   logging.get_absl_handler().addFilter(DropChatter())
 
+  class DropOrbaxTaskReports(py_logging.Filter):
+    """A failed Orbax read (a damaged checkpoint, skipped and reported in one
+    line) leaves asyncio tasks whose errors asyncio reports again when they
+    are garbage-collected, each with a page of tensorstore spec."""
+
+    def filter(self, record):
+      tb = record.exc_info[2] if record.exc_info else None
+      while tb is not None:
+        if "/orbax/" in tb.tb_frame.f_code.co_filename:
+          return False
+        tb = tb.tb_next
+      return True
+
+  py_logging.getLogger("asyncio").addFilter(DropOrbaxTaskReports())
+
   from darl_jax import checkpoint
   checkpoint.drop_closed_loop_reports()
 
