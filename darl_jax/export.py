@@ -105,9 +105,12 @@ def backbone_spec(config: dict) -> dict:
       "input_range": [-1.0, 1.0],
       "sos_token": True,                  # set from the parameters on export
       "posenc": vit.posenc,
-      # Other grids: positions are multiplied by reference_grid / grid (sin-cos,
-      # RoPE); the learned table is resized (posenc.py module docstring).
-      "position_interpolation": "scale_positions",
+      # Other grids: rows and columns are multiplied by reference_grid / grid
+      # (sin-cos, RoPE), the 1D index by the ratio of token counts, the SOS
+      # slot's column by the column ratio; the learned table is resized
+      # (posenc.py module docstring). "scale_positions" (older exports)
+      # left the index and the SOS slot unscaled.
+      "position_interpolation": "scale_positions_and_index",
       "rope": None, "sincos": None, "learned": None,
       "attention": {"mask": "causal" if vit.causal else "full",
                     "qkv_layout": "qkv_head_headdim", "scale": "1/sqrt(head_dim)",

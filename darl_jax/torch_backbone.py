@@ -162,9 +162,14 @@ class DarlBackbone(nn.Module):
     # Every convention the forward pass hard-codes is checked against the sidecar,
     # so a future format change fails here instead of giving wrong numbers.
     for key, want in [("patch_layout", "row_col_channel"), ("block", "pre_layernorm"),
-                      ("mlp_activation", "gelu_exact"),
-                      ("position_interpolation", "scale_positions")]:
+                      ("mlp_activation", "gelu_exact")]:
       _check(spec.get(key) == want, f"{key} {spec.get(key)!r}")
+    # "scale_positions_and_index" also scales the 1D index and the SOS slot
+    # (posenc.index_scale, posenc.sos_position); "scale_positions" did not.
+    interpolation = spec.get("position_interpolation")
+    _check(interpolation in ("scale_positions", "scale_positions_and_index"),
+           f"position_interpolation {interpolation!r}")
+    self.scale_index = interpolation == "scale_positions_and_index"
     _check(spec["attention"]["mask"] in ("causal", "full"), f"mask {spec['attention']['mask']}")
     self.spec = spec
     d = spec["width"]
@@ -282,7 +287,10 @@ class DarlBackbone(nn.Module):
     # Another grid than the reference one: scale positions onto it (float32).
     sy = self.reference_grid[0] / grid_hw[0]
     sx = self.reference_grid[1] / grid_hw[1]
-    frows, fcols, findex = rows.float() * sy, cols.float() * sx, index.float()
+    si = (self.reference_grid[0] * self.reference_grid[1]) / (grid_hw[0] * grid_hw[1])
+    if not self.scale_index:
+      si = 1.0
+    frows, fcols, findex = rows.float() * sy, cols.float() * sx, index.float() * si
     pe = self.additive_posenc(rows, cols, grid_hw)
     if pe is not None:
       x = x + pe.to(x.dtype)
@@ -292,10 +300,12 @@ class DarlBackbone(nn.Module):
     if self.posenc in ("rope1d", "rope2d"):
       if sos:   # the SOS slot's position: (row 0, col -1), index 0 (posenc.py)
         lead = frows.shape[:-1] + (1,)
-        sr, sc, si = self.sos_position
+        sr, sc, sos_index = self.sos_position
+        if self.scale_index:
+          sr, sc = sr * sy, sc * sx
         frows = torch.cat([frows.new_full(lead, sr), frows], -1)
         fcols = torch.cat([fcols.new_full(lead, sc), fcols], -1)
-        findex = torch.cat([findex.new_full(lead, si), findex], -1)
+        findex = torch.cat([findex.new_full(lead, sos_index), findex], -1)
       if self.posenc == "rope1d":
         angles = findex[..., None] * self.rope_inv
       else:

@@ -148,6 +148,27 @@ def test_position_interpolation_maps_larger_grid_onto_training_range():
   assert model.backbone.reference_grid == (4, 4)
 
 
+def test_1d_index_and_sos_are_interpolated_like_the_grid():
+  """At 2x the reference resolution (an 8x8 grid on a 4x4 reference) the 1D
+  index 1..64 maps onto 0.25..16, the reference's range (interpolated, not
+  extrapolated to 64), and the SOS slot stays one scaled step left of the
+  first patch in both encodings; at the reference grid nothing moves."""
+  backbone = vit.vit_from_config(tiny_config(**{"model.posenc": "rope1d"}).model)[0]
+  assert backbone.reference_grid == (4, 4)
+  grid_rows, grid_cols = np.divmod(np.arange(64), 8)
+  rows, cols, index = backbone.scaled_positions(grid_rows[None], grid_cols[None],
+                                                np.arange(1, 65)[None], (8, 8))
+  np.testing.assert_allclose(np.asarray(index)[0], np.arange(1, 65) / 4)
+  assert float(np.asarray(index).max()) == 16.0
+  np.testing.assert_allclose(np.asarray(cols)[0, :8], np.arange(8) / 2)
+  sos_row, sos_col, sos_index = posenc.sos_position((8, 8), (4, 4))
+  assert (sos_row, sos_col, sos_index) == (0.0, -0.5, 0.0)
+  assert float(np.asarray(cols)[0, 0]) - sos_col == 0.5      # one scaled column step
+  assert float(np.asarray(index)[0, 0]) - sos_index == 0.25  # one scaled index step
+  assert posenc.sos_position((4, 4), (4, 4)) == (posenc.SOS_ROW, posenc.SOS_COL, 0.0)
+  assert posenc.index_scale((4, 4), (4, 4)) == 1.0
+
+
 @pytest.mark.parametrize("name", ["rope2d", "sincos2d", "learned", "rope1d", "none"])
 def test_higher_resolution_runs_from_the_same_parameters(name):
   small = heads.Classifier(vit.vit_from_config(tiny_config(**{"model.posenc": name}).model)[0],

@@ -12,8 +12,8 @@ Two families:
 Positions are given per token as float32 ``rows`` / ``cols`` (grid units) and a
 1D ``index``. Running at another resolution than the one the model was trained
 at is handled by *interpolating positions*: a grid of ``g`` patches is mapped
-onto the reference grid of ``g_ref`` patches by scaling positions with
-``g_ref / g`` (paper section "Relative Positional Embedding": "we interpolate the
+onto the reference grid of ``g_ref`` patches by scaling rows and columns with
+``g_ref / g`` and the 1D index with ``N_ref / N`` (token counts) (paper section "Relative Positional Embedding": "we interpolate the
 positions when using RoPE"). Additive encodings are resampled the same way:
 sin-cos is evaluated at the scaled positions, the learned table is resized
 bilinearly.
@@ -23,8 +23,11 @@ no content. For rotary encodings it still needs a position; we put it at
 ``(row 0, col -1)`` in 2D and at index 0 in 1D (patch tokens then sit at 1..).
 (0, -1) is a cell outside the grid, so no patch shares it, and in raster order it
 is exactly one step to the left of the first patch, the same offset every other
-"previous token" has to its successor along a row. For additive encodings the
-SOS token gets no position vector: it is already a free parameter.
+"previous token" has to its successor along a row. At another resolution the
+1D index is scaled by the ratio of token counts and the SOS column by the
+column ratio (``sos_position``), so the SOS keeps that one-step offset.
+For additive encodings the SOS token gets no position vector: it is already a
+free parameter.
 """
 
 from __future__ import annotations
@@ -55,6 +58,23 @@ def check_posenc(name: str) -> str:
 def interpolation_scale(grid_hw, reference_grid_hw) -> tuple[float, float]:
   """Factor mapping positions of ``grid_hw`` onto ``reference_grid_hw``."""
   return (reference_grid_hw[0] / grid_hw[0], reference_grid_hw[1] / grid_hw[1])
+
+
+def index_scale(grid_hw, reference_grid_hw) -> float:
+  """Factor mapping the 1D token index of ``grid_hw`` onto the reference
+  grid's: the index runs over ``gh * gw`` patches, so it is scaled by the
+  ratio of the token counts (the last patch lands on the reference grid's
+  last index, as the paper interpolates RoPE positions)."""
+  return (reference_grid_hw[0] * reference_grid_hw[1]) / (grid_hw[0] * grid_hw[1])
+
+
+def sos_position(grid_hw, reference_grid_hw) -> tuple[float, float, float]:
+  """The SOS slot's (row, col, index) on ``grid_hw``, interpolated as the
+  patches' are: (0, -1) and index 0 at the reference grid; elsewhere the
+  column offset is scaled with the columns, so the SOS stays exactly one
+  (scaled) step left of the first patch."""
+  sy, sx = interpolation_scale(grid_hw, reference_grid_hw)
+  return SOS_ROW * sy, SOS_COL * sx, 0.0
 
 
 # --------------------------------------------------------------------------- RoPE

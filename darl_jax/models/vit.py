@@ -455,18 +455,21 @@ class ViT(nn.Module):
       x = jnp.concatenate([jnp.broadcast_to(sos.astype(x.dtype),
                                             (x.shape[0], 1, self.width)), x], 1)
       lead = rows_f.shape[:-1] + (1,)
-      rows_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_ROW), rows_f], -1)
-      cols_f = jnp.concatenate([jnp.full(lead, posenc_lib.SOS_COL), cols_f], -1)
-      index_f = jnp.concatenate([jnp.zeros(lead), index_f], -1)
+      sos_row, sos_col, sos_index = posenc_lib.sos_position(grid_hw, self.reference_grid)
+      rows_f = jnp.concatenate([jnp.full(lead, sos_row), rows_f], -1)
+      cols_f = jnp.concatenate([jnp.full(lead, sos_col), cols_f], -1)
+      index_f = jnp.concatenate([jnp.full(lead, sos_index), index_f], -1)
     return x, self.rope_tables(rows_f, cols_f, index_f)
 
   def scaled_positions(self, rows, cols, index, grid_hw):
-    """float32 positions, interpolated onto the reference grid."""
+    """float32 positions, interpolated onto the reference grid (rows and
+    columns by the grid's ratio, the 1D index by the token count's)."""
     sy, sx = posenc_lib.interpolation_scale(grid_hw, self.reference_grid)
+    si = posenc_lib.index_scale(grid_hw, self.reference_grid)
     # Per-example (e.g. permuted) and shared positions may be mixed: broadcast.
     return tuple(jnp.broadcast_arrays(jnp.asarray(rows, jnp.float32) * sy,
                                       jnp.asarray(cols, jnp.float32) * sx,
-                                      jnp.asarray(index, jnp.float32)))
+                                      jnp.asarray(index, jnp.float32) * si))
 
   def additive_positions(self, rows, cols, grid_hw, dtype):
     """The sin-cos / learned embedding to add (0 for NoPE and RoPE)."""
