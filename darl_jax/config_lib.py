@@ -50,7 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
       # None = the source's default (e.g. /usr/share/datasets/fashion-mnist).
       "path": placeholder(str), "backend": "auto", "tfds_name": placeholder(str),
       "tfds_data_dir": placeholder(str),
-      "val_split_size": 5000, "train_split": "train", "eval_split": "validation"})
+      "val_split_size": 5000, "train_split": "train", "eval_split": "validation",
+      # Processes building training batches (data/pipeline.py): -1 = this
+      # process's share of the host's cores, 0 = in the training process.
+      "num_workers": -1})
 
   c.model = ml_collections.ConfigDict({
       "variant": "Ti/4", "width": 0, "depth": 0, "num_heads": 0, "mlp_dim": 0,

@@ -16,7 +16,9 @@ def get_config(arg=None):
   c.checkpoint_every_steps = 4
   c.eval_every_steps = 4
   c.eval_max_batches = 2
-  c.data.update(name="digits", image_size=8, channels=1, augment="none")
+  # Batches built in the test process: worker processes would add their
+  # start-up to every short run (tests/test_pipeline.py runs the workers).
+  c.data.update(name="digits", image_size=8, channels=1, augment="none", num_workers=0)
   c.model.update(variant="mu/2", image_size=8, channels=1, rope_max_wavelength=100.0)
   c.optim.update(base_lr=2e-3, warmup_steps=2)
   c.predictions.update(num_images=2, num_steps=4)

@@ -4,25 +4,31 @@
     for batch in source.train_batches(256, start_step=step,
                                       process_index=jax.process_index(),
                                       process_count=jax.process_count()):
-      batch["image"]  # float32 [256 // P, H, W, C] in [-1, 1]
+      batch["image"]  # uint8 [256 // P, H, W, C] (float [-1, 1] on the device)
       batch["label"]  # int32 [256 // P]
 
 Sources (``config.name``):
   fashion_mnist  Debian IDX files (numpy in memory, or backend="tfds": a local
                  TFDS builder over the same files); 55000/5000/10000 split.
   digits         scikit-learn's 8x8 digits; fixed 1257/180/360 split.
-  image_folder   PNG/JPEG files (PIL); split folders or a hash split.
+  image_folder   image files (PIL); split folders (train/, val/) or a hash split.
   imagenet2012   prepared TFDS imagenet2012 (tf.data, JPEG crop-decode).
   tfds           any prepared TFDS dataset (``config.tfds_name``).
+  synthetic      fixed random batches: the step alone, for benchmarks.
 
 Config keys: name, image_size, channels (1|3), augment ("none"|"spatial":
 random-resized crop, area 0.2-1, ratio 3/4-4/3, + horizontal flip), path,
-backend ("auto"|"numpy"|"tfds"), tfds_name, tfds_data_dir, val_split_size;
+backend ("auto"|"numpy"|"tfds"), tfds_name, tfds_data_dir, val_split_size,
+num_workers (-1: the host's share of cores; 0: in the training process);
 optional: crop_fraction (TFDS eval centre crop; 0.875 for imagenet2012, else
 1), shuffle_buffer (TFDS).
 
-Batches: train -- infinite, per-process local, deterministic in (seed, step)
-so that resuming needs only the step (see `indexed.py` / `tfds_source.py`);
+Batches: uint8 images, int32 labels. train -- infinite, per-process local,
+deterministic in (seed, step) so that resuming needs only the step (see
+`indexed.py` / `tfds_source.py`); the loop takes them from
+``source.train_iterator``, which for the in-memory and image-folder sources
+is a Grain pipeline building whole batches in worker processes
+(`pipeline.py`);
 eval -- one pass, padded final batch with ``mask`` False on padding, equal
 batch counts on all processes. ``batch_size`` is global; each process gets
 ``batch_size // process_count`` rows.

@@ -217,10 +217,11 @@ def random_resized_crop(images: np.ndarray, seed: int, positions: np.ndarray,
 
 
 def resize_full(images: np.ndarray, out_size: int) -> np.ndarray:
-  """Whole-image bilinear resize to S x S; float32 [n, S, S, c] in [0, 255]."""
+  """Whole-image bilinear resize to S x S: float32 [n, S, S, c] in [0, 255],
+  or ``images`` themselves when they are S x S already."""
   n, h, w, _ = images.shape
   if (h, w) == (out_size, out_size):
-    return images.astype(np.float32)
+    return images
   return resample(images, 0.0, 0.0, float(h), float(w), out_size)
 
 
@@ -229,12 +230,20 @@ def convert_channels(images: np.ndarray, channels: int) -> np.ndarray:
   c = images.shape[-1]
   if c == channels:
     return images
+  images = images.astype(np.float32)
   if c == 1 and channels == 3:
     return np.repeat(images, 3, axis=-1)
   if c == 3 and channels == 1:
     luma = np.asarray([0.299, 0.587, 0.114], np.float32)
     return (images @ luma)[..., None].astype(np.float32)
   raise ValueError(f"cannot convert {c} channels to {channels}")
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+  """float [0, 255] -> uint8, rounded to nearest (uint8 passes through)."""
+  if images.dtype == np.uint8:
+    return images
+  return np.clip(np.rint(images), 0, 255).astype(np.uint8)
 
 
 def to_unit_range(images: np.ndarray) -> np.ndarray:

@@ -72,12 +72,12 @@ def num_eval_batches(num: int, local_batch: int, process_count: int) -> int:
 def pad_batch(batch: Batch, size: int, image_shape) -> Batch:
   """Pads an eval batch to ``size`` rows; adds ``mask`` (False on padding).
 
-  Padding images are zeros (mid-grey in [-1, 1]) and labels 0.
+  Padding images are zeros (uint8) and labels 0.
   """
   n = 0 if batch is None else len(batch["label"])
   if n > size:
     raise ValueError(f"batch of {n} rows exceeds the padded size {size}")
-  image = np.zeros((size, *image_shape), np.float32)
+  image = np.zeros((size, *image_shape), np.uint8)
   label = np.zeros((size,), np.int32)
   mask = np.zeros((size,), bool)
   if n:
@@ -100,13 +100,45 @@ class DataSource(abc.ABC):
   num_classes: int
   num_examples: int
 
+  # True for sources that build the batch of any step directly
+  # (``train_batch``); their training batches then come from the Grain
+  # pipeline, built in worker processes (pipeline.py).
+  random_access = False
+
+  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> Batch:
+    """The local batch of global step ``step`` (random-access sources)."""
+    raise NotImplementedError(f"{type(self).__name__} has no random access")
+
+  def train_iterator(self, batch_size: int, *, start_step: int = 0,
+                     process_index: int = 0, process_count: int = 1,
+                     num_workers: int = 0, state: dict | None = None):
+    """The training loop's iterator: ``train_batches``' batches from
+    ``start_step`` on, with ``get_state()`` / ``set_state()`` (the state a
+    checkpoint stores; ``state``, if given, must agree with ``start_step``).
+    Random-access sources build batches in ``num_workers`` processes
+    (-1: the host's share of cores, 0: in this process)."""
+    from darl_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    local_batch_size(batch_size, process_count)
+    check_process(process_index, process_count)
+    pipeline.check_state(state, start_step)
+    if not self.random_access:
+      return pipeline.SequentialIterator(
+          self.train_batches(batch_size, start_step, process_index, process_count),
+          start_step)
+    if self.num_examples == 0:
+      raise ValueError("cannot train on an empty split")
+    return pipeline.StepIterator(
+        BatchAt(self, batch_size, process_index, process_count), start_step=start_step,
+        num_workers=pipeline.resolve_num_workers(num_workers))
+
   @abc.abstractmethod
   def train_batches(self, batch_size: int, start_step: int = 0,
                     process_index: int = 0,
                     process_count: int = 1) -> Iterator[Batch]:
     """Infinite shuffled (and, per config, augmented) local batches.
 
-    Yields {"image": float32 [b, H, W, C] in [-1, 1], "label": int32 [b]},
+    Yields {"image": uint8 [b, H, W, C], "label": int32 [b]},
     b = batch_size // process_count. The batch for global step s depends only
     on (seed, s, batch_size, process_index, process_count): starting at
     ``start_step = s`` yields exactly the batches that a run started at 0
@@ -115,17 +147,33 @@ class DataSource(abc.ABC):
 
   @abc.abstractmethod
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[Batch]:
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[Batch]:
     """One deterministic, unaugmented pass over the split.
 
-    Yields {"image", "label", "mask": bool [b]} local batches of
+    Yields {"image" (uint8), "label", "mask": bool [b]} local batches of
     b = batch_size // process_count rows. Process p reads the contiguous
     slice `process_range(num_examples, p, P)`; all processes yield the same
     number of batches, padding rows have mask False, so every example is
-    counted exactly once over all processes.
+    counted exactly once over all processes. Sources whose decoding is
+    worth it (image folders) build the batches in ``num_workers`` worker
+    processes (-1: automatic); the others ignore it.
     """
 
   def __repr__(self) -> str:
     return (f"{type(self).__name__}(image_shape={self.image_shape}, "
             f"num_classes={self.num_classes}, "
             f"num_examples={self.num_examples})")
+
+
+class BatchAt:
+  """``step -> source.train_batch(step, ...)``: the picklable function the
+  pipeline's worker processes run."""
+
+  def __init__(self, source: DataSource, batch_size: int, process_index: int,
+               process_count: int):
+    self.source, self.batch_size = source, batch_size
+    self.process_index, self.process_count = process_index, process_count
+
+  def __call__(self, step: int) -> Batch:
+    return self.source.train_batch(int(step), self.batch_size, self.process_index,
+                                   self.process_count)

@@ -1,4 +1,4 @@
-"""A folder of PNG/JPEG images of any sizes, read with PIL (no TensorFlow).
+"""A folder of images of any sizes (JPEG, PNG, GIF, TIFF, WebP, BMP), read with PIL.
 
 Layout (``config.path``):
 - split folders ``train/``, ``validation/`` (or ``val/``), optionally
@@ -6,8 +6,10 @@ Layout (``config.path``):
 - otherwise the whole folder is one pool, split deterministically by file
   name: the V files whose SHA-1 of the relative path is smallest form
   "validation", the rest "train" (V = config.val_split_size, default 10% of
-  the files, at least 1). Hash order means adding files moves few others.
-  There is no "test" split then.
+  the files, at least 1; a V over half the files, such as the ImageNet
+  configs' 5000 on a small folder, falls back to 10% with a warning). Hash
+  order means adding files moves few others. There is no "test" split then.
+Other files are ignored, with one warning naming a few.
 
 Labels: if every image lies inside a class sub-folder (``<split>/<class>/...``
 or ``<class>/...``), labels are the indices of the sorted class names (union
@@ -19,38 +21,55 @@ min(h, w) and resizes it to image_size; augment="spatial" takes the
 random-resized crop of `augment.sample_crop_boxes` (area 0.2-1, ratio
 3/4-4/3, from the counter-based rng) and flips with probability 1/2. Crops are
 sub-pixel boxes resized by PIL (bilinear, antialiased); images are converted
-to "L" or "RGB" to match ``channels``. Files are decoded on demand in a
-thread pool; batching follows `indexed.IndexedSource`.
+to "L" or "RGB" to match ``channels``; a JPEG is decoded only at the
+smallest DCT scale that still gives the crop full resolution
+(``reduced_decode``); multi-frame files give their first frame. Files are
+decoded on demand, in the pipeline's worker processes (pipeline.py);
+batching follows `indexed.IndexedSource`. A file that cannot be decoded
+(truncated, not an image) is logged once and replaced by the next readable
+example, so it never stops a run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
+import math
 import os
 from typing import Any, Optional
 
 import numpy as np
+from absl import logging
 
 from darl_jax.data import augment as aug
 from darl_jax.data.base import DataSource, cfg_get
 from darl_jax.data.indexed import IndexedSource
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".tif", ".tiff", ".webp", ".bmp")
 SPLIT_DIRS = {"train": ("train",), "validation": ("validation", "val"),
               "test": ("test",)}
 DEFAULT_VAL_FRACTION = 0.1
 
 
 def list_images(root: str) -> list[str]:
-  """Sorted relative paths of the images under ``root`` (recursive)."""
-  found = []
+  """Sorted relative paths of the images under ``root`` (recursive). Other
+  files are logged once per folder (count and a few names)."""
+  found, ignored = [], []
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
     for name in filenames:
-      if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):
-        found.append(os.path.relpath(os.path.join(dirpath, name), root))
+      if name.startswith("."):
+        continue
+      rel = os.path.relpath(os.path.join(dirpath, name), root)
+      (found if name.lower().endswith(IMAGE_EXTENSIONS) else ignored).append(rel)
+  if ignored and root not in _REPORTED_IGNORED:
+    _REPORTED_IGNORED.add(root)
+    logging.warning("%s: ignoring %d file(s) that are not images (%s), e.g. %s",
+                    root, len(ignored), "/".join(IMAGE_EXTENSIONS),
+                    ", ".join(sorted(ignored)[:3]))
   return sorted(found)
+
+
+_REPORTED_IGNORED: set[str] = set()
 
 
 def _split_folders(root: str) -> dict[str, str]:
@@ -93,11 +112,18 @@ def resolve_files(root: str, split: str,
   if split == "test":
     raise ValueError(f"image folder {root} has no split folders, so no "
                      f"'test' split (only train/validation by file hash)")
+  default = max(1, round(DEFAULT_VAL_FRACTION * len(files)))
   if val_split_size is None:
-    val_split_size = max(1, round(DEFAULT_VAL_FRACTION * len(files)))
-  if not 0 <= val_split_size < len(files):
-    raise ValueError(f"val_split_size must be in [0, {len(files)}), got "
-                     f"{val_split_size}")
+    val_split_size = default
+  if val_split_size < 0:
+    raise ValueError(f"data.val_split_size must be >= 0, got {val_split_size}")
+  if val_split_size > len(files) // 2:
+    # A count meant for another dataset (the ImageNet configs' 5000 for
+    # TFDS) would leave little or nothing to train on here.
+    logging.warning("data.val_split_size=%d is more than half of the %d images under %s; "
+                    "holding out %d (%.0f%%) for validation instead", val_split_size,
+                    len(files), root, default, 100 * DEFAULT_VAL_FRACTION)
+    val_split_size = default
   by_hash = sorted(files, key=_hash_key)
   chosen = by_hash[:val_split_size] if split == "validation" else (
       by_hash[val_split_size:])
@@ -119,9 +145,10 @@ def class_names(file_lists: list[list[str]]) -> list[str]:
 class ImageFolderSource(IndexedSource):
   """Images decoded from files on demand (see the module docstring)."""
 
+  decodes_files = True
+
   def __init__(self, base: str, files: list[str], classes: list[str], *,
-               image_size: int, channels: int, augment: str, seed: int,
-               num_workers: int = 8):
+               image_size: int, channels: int, augment: str, seed: int):
     index = {name: i for i, name in enumerate(classes)}
     labels = [index[f.split(os.sep)[0]] if classes else 0 for f in files]
     super().__init__(labels=np.asarray(labels, np.int32),
@@ -129,16 +156,12 @@ class ImageFolderSource(IndexedSource):
                      channels=channels, augment=augment, seed=seed)
     self.paths = [os.path.join(base, f) for f in files]
     self.class_names = list(classes)
-    self._num_workers = num_workers
-    self._pool = None  # created on first use
+    self._unreadable: dict[str, str] = {}   # this process's: path -> error
 
   def _load_one(self, path: str, u: Optional[np.ndarray]) -> np.ndarray:
     from PIL import Image  # pylint: disable=g-import-not-at-top
     size, _, channels = self.image_shape
     with Image.open(path) as img:
-      img = img.convert("RGB")  # normalises palette/alpha/16-bit modes
-      if channels == 1:
-        img = img.convert("L")  # ITU-R 601 luma, as augment.convert_channels
       w, h = img.size
       if u is None:
         side = min(w, h)
@@ -148,21 +171,56 @@ class ImageFolderSource(IndexedSource):
         top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w)
         box = (left[0], top[0], left[0] + bw[0], top[0] + bh[0])
         flip = u[-1] < aug.FLIP_PROB
+      img = reduced_decode(img, box, size)
+      sx, sy = img.size[0] / w, img.size[1] / h
+      box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+      img = img.convert("RGB")  # normalises palette/alpha/16-bit modes
+      if channels == 1:
+        img = img.convert("L")  # ITU-R 601 luma, as augment.convert_channels
       img = img.resize((size, size), Image.BILINEAR, box=box)
       if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
       return np.asarray(img, np.uint8).reshape(size, size, channels)
+
+  def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
+    """Example ``index``'s image; an unreadable file is logged once (per
+    process) and replaced by the next readable example of the split, so a
+    damaged file costs one duplicate image, never the run."""
+    for offset in range(self.num_examples):
+      path = self.paths[(index + offset) % self.num_examples]
+      if path in self._unreadable:
+        continue
+      try:
+        return self._load_one(path, u)
+      except Exception as e:  # pylint: disable=broad-except  # PIL raises many kinds
+        self._unreadable[path] = f"{type(e).__name__}: {e}"
+        logging.warning("unreadable image %s (%s): using the next readable example "
+                        "instead; %d unreadable file(s) met so far in this process",
+                        path, self._unreadable[path], len(self._unreadable))
+    raise ValueError(f"no image under {os.path.dirname(self.paths[0])} can be read; "
+                     f"e.g. {next(iter(self._unreadable.items()))}")
 
   def _load(self, indices, positions):
     us = [None] * len(indices)
     if positions is not None:
       us = list(aug.hash_uniform(self.seed, positions,
                                  4 * aug.CROP_ATTEMPTS + 1))
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self._num_workers)
-    images = list(self._pool.map(self._load_one,
-                                 [self.paths[i] for i in indices], us))
-    return aug.to_unit_range(np.stack(images).astype(np.float32))
+    return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
+
+
+def reduced_decode(img, box, size: int):
+  """``img`` (opened, not yet decoded) set to decode at the smallest size
+  that still gives the crop ``box`` at least ``size`` pixels a side: JPEG's
+  DCT scaling decodes at 1/2, 1/4 or 1/8 of the size for a fraction of the
+  work. Other formats are returned as they are."""
+  if getattr(img, "format", None) != "JPEG":
+    return img
+  w, h = img.size
+  bw, bh = max(box[2] - box[0], 1e-6), max(box[3] - box[1], 1e-6)
+  want = (math.ceil(w * size / bw), math.ceil(h * size / bh))
+  if want[0] < w and want[1] < h:
+    img.draft(img.mode, want)
+  return img
 
 
 def build(config: Any, *, split: str, seed: int) -> DataSource:

@@ -12,6 +12,8 @@ epoch boundary), and process p takes the contiguous local slice
 of an example is a hash of (seed, stream position) (see `augment.py`).
 Everything is a pure function of (seed, step), so ``start_step = s``
 reproduces the uninterrupted run exactly: a checkpoint needs only the step.
+``train_batch(step)`` builds any step's batch directly; the Grain pipeline
+(pipeline.py) runs it in worker processes.
 The 1-process batch equals the concatenation of the P process batches.
 """
 
@@ -23,6 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from darl_jax.data import augment as aug
+from darl_jax.data import pipeline
 from darl_jax.data.base import (AUGMENTS, Batch, DataSource, check_process,
                                 local_batch_size, num_eval_batches, pad_batch,
                                 process_range)
@@ -51,7 +54,7 @@ class IndexedSource(DataSource):
   @abc.abstractmethod
   def _load(self, indices: np.ndarray,
             positions: Optional[np.ndarray]) -> np.ndarray:
-    """Images of examples ``indices`` as float32 [n, H, W, C] in [-1, 1].
+    """Images of examples ``indices`` as uint8 [n, H, W, C].
 
     ``positions`` (int [n]) are the training-stream positions, the rng
     counters of the spatial augmentation; None means eval preprocessing.
@@ -84,46 +87,65 @@ class IndexedSource(DataSource):
       indices[sel] = self.epoch_permutation(int(epoch))[offsets[sel]]
     return indices, positions
 
+  random_access = True
+
+  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> Batch:
+    indices, positions = self.train_indices(step, batch_size, process_index,
+                                            process_count)
+    spatial = self.augment == "spatial"
+    return {"image": self._load(indices, positions if spatial else None),
+            "label": self.labels[indices]}
+
   def train_batches(self, batch_size: int, start_step: int = 0,
                     process_index: int = 0,
                     process_count: int = 1) -> Iterator[Batch]:
-    local_batch_size(batch_size, process_count)  # validate eagerly
-    check_process(process_index, process_count)
-    if self.num_examples == 0:
-      raise ValueError("cannot train on an empty split")
+    """``train_iterator`` in this process (no workers)."""
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}")
-    return self._train_iter(batch_size, start_step, process_index,
-                            process_count)
-
-  def _train_iter(self, batch_size, step, process_index, process_count):
-    spatial = self.augment == "spatial"
-    while True:
-      indices, positions = self.train_indices(step, batch_size, process_index,
-                                              process_count)
-      yield {
-          "image": self._load(indices, positions if spatial else None),
-          "label": self.labels[indices],
-      }
-      step += 1
+    return self.train_iterator(batch_size, start_step=start_step,
+                               process_index=process_index,
+                               process_count=process_count, num_workers=0)
 
   # -- evaluation -----------------------------------------------------------
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[Batch]:
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[Batch]:
     local = local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
-    return self._eval_iter(local, process_index, process_count)
+    count = num_eval_batches(self.num_examples, local, process_count)
+    batch_at = EvalBatchAt(self, local, process_index, process_count)
+    workers = pipeline.resolve_num_workers(num_workers) if self.decodes_files else 0
+    if workers:
+      return pipeline.StepIterator(batch_at, num_workers=workers, stop=count)
+    return map(batch_at, range(count))
 
-  def _eval_iter(self, local, process_index, process_count):
+  # Sources that decode files per example (image folders) evaluate in the
+  # pipeline's worker processes; in-memory arrays are cheaper in-process.
+  decodes_files = False
+
+  def eval_batch(self, k: int, local: int, process_index: int,
+                 process_count: int) -> Batch:
+    """Eval batch ``k`` of this process (padded; ``mask`` False on padding)."""
     lo, hi = process_range(self.num_examples, process_index, process_count)
-    for k in range(num_eval_batches(self.num_examples, local, process_count)):
-      indices = np.arange(lo + k * local, min(lo + (k + 1) * local, hi))
-      batch = None
-      if len(indices):
-        batch = {"image": self._load(indices, None),
-                 "label": self.labels[indices]}
-      yield pad_batch(batch, local, self.image_shape)
+    indices = np.arange(lo + k * local, min(lo + (k + 1) * local, hi))
+    batch = None
+    if len(indices):
+      batch = {"image": self._load(indices, None), "label": self.labels[indices]}
+    return pad_batch(batch, local, self.image_shape)
+
+
+class EvalBatchAt:
+  """``k -> source.eval_batch(k, ...)``, picklable for the worker processes."""
+
+  def __init__(self, source: IndexedSource, local: int, process_index: int,
+               process_count: int):
+    self.source, self.local = source, local
+    self.process_index, self.process_count = process_index, process_count
+
+  def __call__(self, k: int) -> Batch:
+    return self.source.eval_batch(int(k), self.local, self.process_index,
+                                  self.process_count)
 
 
 class ArraySource(IndexedSource):
@@ -151,5 +173,4 @@ class ArraySource(IndexedSource):
       x = aug.resize_full(images, size)
     else:
       x = aug.random_resized_crop(images, self.seed, positions, size)
-    x = aug.convert_channels(x, self.image_shape[2])
-    return aug.to_unit_range(x)
+    return aug.to_uint8(aug.convert_channels(x, self.image_shape[2]))

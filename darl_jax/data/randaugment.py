@@ -207,7 +207,7 @@ def rand_augment(images: np.ndarray, seed: int, positions: np.ndarray, *,
   """RandAugment of a batch.
 
   Args:
-    images: float32 ``[n, H, W, C]`` in [-1, 1] (C = 1 or 3).
+    images: uint8 ``[n, H, W, C]`` (C = 1 or 3).
     seed: the source seed.
     positions: int ``[n]``, the examples' training-stream positions.
     num_ops: operations drawn per image (uniformly, with replacement).
@@ -217,13 +217,13 @@ def rand_augment(images: np.ndarray, seed: int, positions: np.ndarray, *,
     ops: the operation names to draw from (subset of ``OPS``).
 
   Returns:
-    float32 ``[n, H, W, C]`` in [-1, 1]; a pure function of
+    uint8 ``[n, H, W, C]`` (rounded); a pure function of
     ``(images, seed, positions)``.
   """
   unknown = set(ops) - set(OP_FNS)
   if unknown:
     raise ValueError(f"unknown RandAugment ops {sorted(unknown)}; valid: {', '.join(OPS)}")
-  x = (np.asarray(images, np.float32) + 1.0) * 127.5
+  x = np.asarray(images, np.float32)
   u = aug.hash_uniform((int(seed) * 1_000_003 + _SEED_SALT) & 0x7FFFFFFFFFFFFFFF,
                        positions, _DRAWS_PER_OP * num_ops)
   for slot in range(num_ops):
@@ -238,7 +238,7 @@ def rand_augment(images: np.ndarray, seed: int, positions: np.ndarray, *,
       sel = active & (choice == k)
       if sel.any():
         x[sel] = np.clip(OP_FNS[name](x[sel], level[sel], sign[sel]), 0.0, 255.0)
-  return aug.to_unit_range(x)
+  return aug.to_uint8(x)
 
 
 class RandAugmentSource(DataSource):
@@ -260,8 +260,26 @@ class RandAugmentSource(DataSource):
     self.num_classes = source.num_classes
     self.num_examples = source.num_examples
 
+  @property
+  def random_access(self) -> bool:
+    return self.source.random_access
+
+  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> dict:
+    local = local_batch_size(batch_size, process_count)
+    batch = dict(self.source.train_batch(step, batch_size, process_index, process_count))
+    positions = step * batch_size + process_index * local + np.arange(local)
+    batch["image"] = rand_augment(batch["image"], self.seed, positions, **self.kwargs)
+    return batch
+
   def train_batches(self, batch_size: int, start_step: int = 0, process_index: int = 0,
                     process_count: int = 1) -> Iterator[dict]:
+    if self.random_access:
+      return self.train_iterator(batch_size, start_step=start_step,
+                                 process_index=process_index, process_count=process_count)
+    return self._augmented(batch_size, start_step, process_index, process_count)
+
+  def _augmented(self, batch_size, start_step, process_index, process_count):
     local = local_batch_size(batch_size, process_count)
     inner = self.source.train_batches(batch_size, start_step=start_step,
                                       process_index=process_index,
@@ -273,5 +291,5 @@ class RandAugmentSource(DataSource):
       yield batch
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[dict]:
-    return self.source.eval_batches(batch_size, process_index, process_count)
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[dict]:
+    return self.source.eval_batches(batch_size, process_index, process_count, num_workers)

@@ -73,7 +73,7 @@ class SyntheticSource(DataSource):
                                process_index=process_index, process_count=process_count)
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[dict]:
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[dict]:
     del process_index
     local = local_batch_size(batch_size, process_count)
     for batch in self._batches(local)[:1]:

@@ -172,7 +172,7 @@ class JpegPreprocess:
     return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
 
   def _finish(self, img):
-    """uint8 crop [h, w, c] -> float32 [S, S, C] in [-1, 1]."""
+    """uint8 crop [h, w, c] -> uint8 [S, S, C] (rounded; float happens on the device)."""
     tf = self._tf
     size, _, channels = self.image_shape
     img = tf.image.resize(img, [size, size], method="bilinear", antialias=True)
@@ -181,7 +181,7 @@ class JpegPreprocess:
     elif self._src_channels == 3 and channels == 1:
       img = tf.reduce_sum(img * tf.constant(_LUMA), axis=-1, keepdims=True)
     img = tf.ensure_shape(img, self.image_shape)
-    return tf.clip_by_value(img / 127.5 - 1.0, -1.0, 1.0)
+    return tf.cast(tf.clip_by_value(tf.round(img), 0.0, 255.0), tf.uint8)
 
   def center(self, encoded):
     tf, frac = self._tf, self._crop_fraction
@@ -324,7 +324,7 @@ class TfdsSource(DataSource):
     return rebatch(chunks(), local)
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[Batch]:
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[Batch]:
     local = local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
     return self._eval_iter(local, process_index, process_count)

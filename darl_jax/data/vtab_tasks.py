@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from darl_jax.data import augment as aug
 from darl_jax.data.base import (DataSource, cfg_get, check_process, local_batch_size,
                                 num_eval_batches, pad_batch, process_range)
 from darl_jax.data.indexed import ArraySource
@@ -231,7 +232,7 @@ class StreamSource(DataSource):
                      "train800 or train800val200")
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
-                   process_count: int = 1) -> Iterator[dict]:
+                   process_count: int = 1, num_workers: int = 0) -> Iterator[dict]:
     local = local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
     lo, hi = process_range(self.num_examples, process_index, process_count)
@@ -240,9 +241,8 @@ class StreamSource(DataSource):
     total = num_eval_batches(self.num_examples, local, process_count)
     done = 0
     for img, lab in ds.as_numpy_iterator():
-      img = img.astype(np.float32) * np.float32(1 / 127.5) - 1.0
       if self.image_shape[2] == 1:
-        img = img @ np.asarray([0.299, 0.587, 0.114], np.float32)[:, None]
+        img = aug.to_uint8(aug.convert_channels(img, 1))
       yield pad_batch({"image": img, "label": lab}, local, self.image_shape)
       done += 1
     for _ in range(total - done):

@@ -69,6 +69,7 @@ class DeviceFeed:
   """
 
   def __init__(self, host_iter: Iterator, sharding, size: int = 2):
+    self._host_iter = host_iter
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._stop = threading.Event()
     self.wait_s = 0.0
@@ -106,9 +107,13 @@ class DeviceFeed:
     return item
 
   def close(self) -> None:
-    """Stops the producer thread (it may be blocked on a full queue)."""
+    """Stops the producer thread (it may be blocked on a full queue), then
+    the host iterator's worker processes, if it has any."""
     self._stop.set()
     self._thread.join(timeout=5)
+    close = getattr(self._host_iter, "close", None)
+    if close is not None:
+      close()
 
 
 class StepClock:

@@ -137,7 +137,8 @@ def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> d
   sums, count = {}, 0.0
   max_batches = config.get("eval_max_batches", 0)
   batches = eval_source.eval_batches(config.eval_batch_size or config.batch_size,
-                                     jax.process_index(), jax.process_count())
+                                     jax.process_index(), jax.process_count(),
+                                     num_workers=config.data.get("num_workers", -1))
   for i, batch in enumerate(batches):
     if max_batches and i >= max_batches:
       break

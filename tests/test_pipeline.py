@@ -1,0 +1,184 @@
+"""The Grain input pipeline (data/pipeline.py): workers, resume, sharding,
+uint8 end to end, bad image files, reduced JPEG decoding."""
+
+import io
+import logging as py_logging
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from darl_jax.data import digits, image_folder, pipeline
+from darl_jax.train import feed
+
+
+class Cfg:
+  image_size, channels, augment = 8, 1, "spatial"
+
+
+@pytest.fixture(scope="module")
+def source():
+  return digits.build(Cfg, split="train", seed=3)
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_same_batches(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_workers_give_the_batches_of_the_training_process(source):
+  """2 worker processes build the same batches, in the same order, as none."""
+  plain = take(source.train_iterator(32, start_step=5, num_workers=0), 6)
+  workers = source.train_iterator(32, start_step=5, num_workers=2)
+  try:
+    assert_same_batches(take(workers, 6), plain)
+  finally:
+    workers.close()
+  assert plain[0]["image"].dtype == np.uint8 and plain[0]["label"].dtype == np.int32
+
+
+def test_resume_from_the_iterator_state_is_bit_identical(source):
+  """A killed run's saved state (get_state after step 3's batch) restarts the
+  stream exactly where it was, with or without workers; so does start_step;
+  a state that disagrees with the checkpoint's step is refused."""
+  straight = take(source.train_iterator(16, num_workers=0), 7)
+  first = source.train_iterator(16, num_workers=0)
+  take(first, 3)
+  state = first.get_state()
+  assert state == {"next_step": 3}
+  resumed = source.train_iterator(16, start_step=3, num_workers=2, state=state)
+  try:
+    assert_same_batches(take(resumed, 4), straight[3:])
+  finally:
+    resumed.close()
+  assert_same_batches(take(source.train_iterator(16, start_step=3), 4), straight[3:])
+  moved = source.train_iterator(16, num_workers=0)
+  moved.set_state({"next_step": 5})
+  assert_same_batches(take(moved, 2), straight[5:7])
+  with pytest.raises(ValueError, match="inconsistent"):
+    source.train_iterator(16, start_step=4, state=state)
+
+
+def test_processes_share_every_example_once_per_epoch(source):
+  """P processes' slices of the first epoch's stream positions hold every
+  example exactly once, and together they are the 1-process batches."""
+  n, batch = source.num_examples, 64
+  steps = -(-n // batch)
+  for processes in (1, 2, 4):
+    seen = []
+    for step in range(steps):
+      for p in range(processes):
+        idx, pos = source.train_indices(step, batch, p, processes)
+        seen.append(idx[pos < n])
+    seen = np.concatenate(seen)
+    assert len(seen) == n and set(seen.tolist()) == set(range(n))
+  whole = source.train_batch(2, batch)
+  halves = [source.train_batch(2, batch, p, 2) for p in (0, 1)]
+  np.testing.assert_array_equal(np.concatenate([h["image"] for h in halves]), whole["image"])
+
+
+def test_uint8_on_the_wire_and_floats_on_the_device(source):
+  """Batches cross to the device as uint8; the step's input conversion maps
+  0..255 onto [-1, 1] exactly as the host used to."""
+  it = source.train_iterator(16, num_workers=0)
+  sharding = None
+  import jax
+  sharding = jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",)),
+      jax.sharding.PartitionSpec("data"))
+  device_feed = feed.DeviceFeed(it, sharding)
+  try:
+    batch, state = next(device_feed)
+  finally:
+    device_feed.close()
+  assert batch["image"].dtype == jnp.uint8 and state == {"next_step": 1}
+  x = feed.model_input(batch)["image"]
+  assert x.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(x), np.asarray(batch["image"]) / 127.5 - 1, atol=1e-6)
+  assert float(feed.model_input({"image": jnp.array([0, 255], jnp.uint8)})["image"][0]) == -1.0
+
+
+def _jpeg(path, size=(96, 80), seed=0):
+  rng = np.random.default_rng(seed)
+  low = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+  Image.fromarray(low).resize(size, Image.BICUBIC).save(path, "JPEG", quality=90)
+
+
+def test_bad_files_are_skipped_and_other_formats_read(tmp_path, caplog):
+  """A truncated JPEG and a text file named .png are replaced by the next
+  readable example (logged, never raised, at every rerun); GIF, TIFF, BMP and
+  WebP are read; other extensions are listed as ignored."""
+  for i in range(6):
+    _jpeg(tmp_path / f"ok_{i}.jpg", seed=i)
+  good = (tmp_path / "ok_0.jpg").read_bytes()
+  (tmp_path / "bad_truncated.jpg").write_bytes(good[:len(good) // 2])
+  (tmp_path / "bad_text.png").write_text("not an image")
+  img = Image.open(tmp_path / "ok_1.jpg")
+  for ext in ("gif", "tif", "bmp", "webp"):
+    img.save(tmp_path / f"other.{ext}")
+  (tmp_path / "notes.txt").write_text("ignored")
+  with caplog.at_level(py_logging.WARNING):
+    src = image_folder.build({"path": str(tmp_path), "image_size": 16, "channels": 3,
+                              "augment": "spatial", "val_split_size": 0},
+                             split="train", seed=0)
+    assert src.num_examples == 12
+    assert "ignoring 1 file(s)" in caplog.text and "notes.txt" in caplog.text
+    for _ in range(2):     # a rerun meets the same files and goes on again
+      batch = src.train_batch(0, 12)
+      assert batch["image"].shape == (12, 16, 16, 3) and batch["image"].dtype == np.uint8
+  assert "bad_truncated.jpg" in caplog.text and "bad_text.png" in caplog.text
+  evals = list(src.eval_batches(8))
+  assert sum(int(b["mask"].sum()) for b in evals) == 12
+
+
+def test_an_oversized_val_split_falls_back_to_a_tenth(tmp_path, caplog):
+  """The ImageNet configs' val_split_size=5000 on a small flat folder."""
+  for i in range(20):
+    _jpeg(tmp_path / f"{i}.jpg", seed=i)
+  with caplog.at_level(py_logging.WARNING):
+    val = image_folder.build({"path": str(tmp_path), "image_size": 8, "channels": 3,
+                              "val_split_size": 5000}, split="validation", seed=0)
+  assert val.num_examples == 2 and "holding out 2" in caplog.text
+
+
+def test_reduced_jpeg_decode_is_close_to_the_full_decode(tmp_path):
+  """A 480x400 JPEG cropped whole to 64x64: decoded at 1/4 scale by DCT, the
+  result stays within a few grey levels of resizing the full decode."""
+  path = tmp_path / "big.jpg"
+  _jpeg(path, size=(480, 400), seed=7)
+  box = (0.0, 0.0, 480.0, 400.0)
+  with Image.open(path) as img:
+    reduced = image_folder.reduced_decode(img, box, 64)
+    assert reduced.size == (120, 100)             # 1/4 scale still covers 64 px
+    small = np.asarray(reduced.convert("RGB").resize(
+        (64, 64), Image.BILINEAR, box=(0, 0, 120, 100)), np.float32)
+  with Image.open(path) as img:
+    full = np.asarray(img.convert("RGB").resize((64, 64), Image.BILINEAR, box=box),
+                      np.float32)
+  assert np.abs(small - full).mean() < 3.0
+  # A crop that needs full resolution is decoded at full size.
+  with Image.open(path) as img:
+    assert image_folder.reduced_decode(img, (0, 0, 60, 60), 64).size == (480, 400)
+
+
+def test_auto_workers_take_the_hosts_share_of_cores(monkeypatch):
+  monkeypatch.setattr(pipeline, "host_cores", lambda: 16)
+  monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+  monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+  monkeypatch.delenv("DARL_PROCESSES_PER_HOST", raising=False)
+  assert pipeline.resolve_num_workers(-1) == 15
+  monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+  assert pipeline.resolve_num_workers(-1) == 7
+  assert pipeline.resolve_num_workers(3) == 3 and pipeline.resolve_num_workers(0) == 0
+  monkeypatch.setattr(pipeline, "host_cores", lambda: 2)
+  monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+  assert pipeline.resolve_num_workers(-1) == 1
