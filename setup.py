@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     "etils[epath]>=1.7",
     "safetensors>=0.4",   # darl_jax.export writes numpy arrays, no torch needed
+    "grain>=0.2.16",      # the input pipeline (darl_jax/data/pipeline.py)
 ]
 
 EXTRAS = {
