@@ -216,7 +216,7 @@ def test_eval_image_sizes_scores_the_trained_weights_at_another_resolution(tmp_p
   for i, batch in enumerate(source.eval_batches(16, 0, 1)):
     if i >= c.eval_max_batches:
       break
-    logits, _ = model.apply({"params": params}, batch["image"])
+    logits, _ = model.apply({"params": params}, loop.model_input(batch)["image"])
     mask = np.asarray(batch["mask"], bool)
     correct += int((np.argmax(np.asarray(logits), -1) == batch["label"])[mask].sum())
     count += int(mask.sum())
