@@ -175,9 +175,9 @@ def test_auto_workers_take_the_hosts_share_of_cores(monkeypatch):
   monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
   monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
   monkeypatch.delenv("DARL_PROCESSES_PER_HOST", raising=False)
-  assert pipeline.resolve_num_workers(-1) == 15
+  assert pipeline.resolve_num_workers(-1) == 16
   monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-  assert pipeline.resolve_num_workers(-1) == 7
+  assert pipeline.resolve_num_workers(-1) == 8
   assert pipeline.resolve_num_workers(3) == 3 and pipeline.resolve_num_workers(0) == 0
   monkeypatch.setattr(pipeline, "host_cores", lambda: 2)
   monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

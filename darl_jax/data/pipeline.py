@@ -50,13 +50,15 @@ def processes_on_host() -> int:
 
 
 def resolve_num_workers(num_workers: int) -> int:
-  """``data.num_workers``: -1 = this process's share of the host's cores,
-  less one for the training process itself (at least 1, at most
-  MAX_AUTO_WORKERS); 0 = build batches in the training process."""
+  """``data.num_workers``: -1 = one worker per core of this process's share
+  of the host (at least 1, at most MAX_AUTO_WORKERS); 0 = build batches in
+  the training process. No core is held back for the training process: it
+  mostly waits for the accelerator, and on a 2-core machine one worker
+  would leave half the decoding power unused."""
   if num_workers >= 0:
     return int(num_workers)
   share = host_cores() // processes_on_host()
-  return max(1, min(MAX_AUTO_WORKERS, share - 1))
+  return max(1, min(MAX_AUTO_WORKERS, share))
 
 
 def _parse_absl_flags() -> None:

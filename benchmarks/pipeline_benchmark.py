@@ -1,0 +1,98 @@
+"""The input pipeline alone against a plain PIL loop, on a folder of JPEGs.
+
+    python benchmarks/pipeline_benchmark.py [--images=600] [--size=224] [--workers=0,1,2]
+
+On the folder of ImageNet-like JPEGs that benchmarks/cli_benchmark.py
+generates (300-500 px, quality 90), prints images/s of
+
+- ``plain PIL loop``: one single-threaded loop that opens each file, decodes
+  it whole, takes the same random-resized crop and flip, resizes it to
+  ``--size`` and stacks a uint8 batch: what a first hand-written loader does;
+- ``pipeline, N workers``: the training iterator of ``data.name=image_folder``
+  with ``augment=spatial`` (darl_jax/data/pipeline.py), N worker processes
+  (0: in this process), batches drawn as the loop draws them;
+
+each timed for ``--seconds`` after a warm-up batch, and each row's ratio to
+the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks import cli_benchmark  # noqa: E402
+from darl_jax.data import augment as aug  # noqa: E402
+from darl_jax.data import image_folder, pipeline  # noqa: E402
+
+
+def plain_loop_rate(paths: list[str], size: int, batch: int, seconds: float) -> float:
+  """Images/s of one single-threaded PIL loop: full decode, crop, resize, flip."""
+  count, start, i = 0, time.perf_counter(), 0
+  while time.perf_counter() - start < seconds:
+    rows = []
+    for _ in range(batch):
+      u = aug.hash_uniform(0, np.asarray([i]), 4 * aug.CROP_ATTEMPTS + 1)[0]
+      with Image.open(paths[i % len(paths)]) as img:
+        img = img.convert("RGB")
+        w, h = img.size
+        top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w)
+        img = img.resize((size, size), Image.BILINEAR,
+                         box=(left[0], top[0], left[0] + bw[0], top[0] + bh[0]))
+        if u[-1] < aug.FLIP_PROB:
+          img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        rows.append(np.asarray(img, np.uint8))
+      i += 1
+    np.stack(rows)
+    count += batch
+  return count / (time.perf_counter() - start)
+
+
+def pipeline_rate(folder: str, size: int, batch: int, workers: int, seconds: float) -> float:
+  source = image_folder.build({"path": folder, "image_size": size, "channels": 3,
+                              "augment": "spatial"}, split="train", seed=0)
+  it = source.train_iterator(batch, num_workers=workers)
+  try:
+    next(it)                                     # warm-up: worker start, first batch
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+      count += len(next(it)["label"])
+    return count / (time.perf_counter() - start)
+  finally:
+    it.close()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--images", type=int, default=600)
+  parser.add_argument("--size", type=int, default=224)
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--workers", default="0,1,2")
+  parser.add_argument("--seconds", type=float, default=10.0)
+  parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "darl_jpegs"))
+  args = parser.parse_args()
+  from absl import flags
+  flags.FLAGS.mark_as_parsed()
+  cli_benchmark.make_folder(args.folder, args.images, max(args.images // 20, 64))
+  train = os.path.join(args.folder, "train")
+  paths = [os.path.join(train, f) for f in image_folder.list_images(train)]
+  base = plain_loop_rate(paths, args.size, args.batch, args.seconds)
+  print(f"{len(paths)} JPEGs, output {args.size}x{args.size}, batch {args.batch}, "
+        f"{pipeline.host_cores()} host cores\n")
+  print("| loader | images/s | x plain loop |\n|---|---|---|")
+  print(f"| plain PIL loop | {base:.0f} | 1.00 |", flush=True)
+  for workers in (int(w) for w in args.workers.split(",")):
+    r = pipeline_rate(train, args.size, args.batch, workers, args.seconds)
+    print(f"| pipeline, {workers} workers | {r:.0f} | {r / base:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
