@@ -222,3 +222,21 @@ def test_attention_kernel_bench_tilings_table(monkeypatch, capsys):
     assert float(row[2]) == 0.0
     assert row[3] == "yes"
     assert float(row[4].split(" ")[0]) > 0
+
+
+def test_cli_benchmark_runs_the_cli_on_jpegs_and_on_synthetic_data(tmp_path):
+  """The end-to-end benchmark on a tiny model and a few generated JPEGs: both
+  runs and the warm rerun report, and the ratio line comes out."""
+  out = run("cli_benchmark.py", "--config=tests/tiny_config.py", "--batch=8", "--steps=6",
+            "--log_every=2", "--skip=1", "--images=24", f"--folder={tmp_path / 'jpegs'}",
+            "--", "--config.data.image_size=8", "--config.data.channels=1",
+            "--config.data.augment=spatial")
+  assert "| folder |" in out and "| synthetic |" in out
+  assert "CLI on JPEGs / step alone:" in out and "compilation cache warm" in out
+
+
+def test_pipeline_benchmark_compares_with_the_plain_loop(tmp_path):
+  out = run("pipeline_benchmark.py", "--images=16", "--size=16", "--batch=4",
+            "--workers=0,1", "--seconds=0.3", f"--folder={tmp_path / 'jpegs'}")
+  rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+  assert rows[1:] == ["plain PIL loop", "pipeline, 0 workers", "pipeline, 1 workers"]
