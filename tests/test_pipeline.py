@@ -182,3 +182,32 @@ def test_auto_workers_take_the_hosts_share_of_cores(monkeypatch):
   monkeypatch.setattr(pipeline, "host_cores", lambda: 2)
   monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
   assert pipeline.resolve_num_workers(-1) == 1
+
+
+def test_tfds_records_are_a_random_access_source():
+  """data.backend=records reads a TFDS dataset record by record (no tf.data):
+  uint8 crops, labels from the records, resumable like any indexed source."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  from darl_jax.data import build_source, tfds_records
+  with tfds.testing.mock_data(num_examples=12):
+    src = build_source({"name": "imagenet2012", "image_size": 16, "channels": 3,
+                        "augment": "spatial", "backend": "records", "val_split_size": 0},
+                       split="train", seed=0)
+    assert isinstance(src, tfds_records.TfdsRecordSource) and src.num_examples == 12
+    straight = take(src.train_iterator(4, num_workers=0), 4)
+    assert straight[0]["image"].shape == (4, 16, 16, 3) and straight[0]["image"].dtype == np.uint8
+    assert (straight[0]["label"] < 1000).all()
+    assert_same_batches(take(src.train_iterator(4, start_step=2, state={"next_step": 2}), 2),
+                        straight[2:])
+    evals = list(src.eval_batches(8))
+    assert sum(int(b["mask"].sum()) for b in evals) == 12
+
+
+def test_tfds_records_name_the_array_record_command():
+  from types import SimpleNamespace
+  from darl_jax.data import tfds_records
+  builder = SimpleNamespace(info=SimpleNamespace(file_format="tfrecord", features={},
+                                                 splits={"train": None}))
+  with pytest.raises(ValueError, match="--file_format=array_record"):
+    tfds_records.build({}, builder, name="imagenet2012", split="train", data_dir="/d",
+                       seed=0, crop_fraction=1.0)

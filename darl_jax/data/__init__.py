@@ -12,13 +12,15 @@ Sources (``config.name``):
                  TFDS builder over the same files); 55000/5000/10000 split.
   digits         scikit-learn's 8x8 digits; fixed 1257/180/360 split.
   image_folder   image files (PIL); split folders (train/, val/) or a hash split.
-  imagenet2012   prepared TFDS imagenet2012 (tf.data, JPEG crop-decode).
+  imagenet2012   prepared TFDS imagenet2012 (ArrayRecord records through Grain,
+                 or tf.data with JPEG crop-decode).
   tfds           any prepared TFDS dataset (``config.tfds_name``).
   synthetic      fixed random batches: the step alone, for benchmarks.
 
 Config keys: name, image_size, channels (1|3), augment ("none"|"spatial":
 random-resized crop, area 0.2-1, ratio 3/4-4/3, + horizontal flip), path,
-backend ("auto"|"numpy"|"tfds"), tfds_name, tfds_data_dir, val_split_size,
+backend (Fashion-MNIST: "auto"|"numpy"|"tfds"; TFDS names: "auto"|"records"|"tf",
+records = ArrayRecord files read through the Grain pipeline, tfds_records.py), tfds_name, tfds_data_dir, val_split_size,
 num_workers (-1: the host's share of cores; 0: in the training process);
 optional: crop_fraction (TFDS eval centre crop; 0.875 for imagenet2012, else
 1), shuffle_buffer (TFDS).

@@ -159,28 +159,7 @@ class ImageFolderSource(IndexedSource):
     self._unreadable: dict[str, str] = {}   # this process's: path -> error
 
   def _load_one(self, path: str, u: Optional[np.ndarray]) -> np.ndarray:
-    from PIL import Image  # pylint: disable=g-import-not-at-top
-    size, _, channels = self.image_shape
-    with Image.open(path) as img:
-      w, h = img.size
-      if u is None:
-        side = min(w, h)
-        box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
-        flip = False
-      else:
-        top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w)
-        box = (left[0], top[0], left[0] + bw[0], top[0] + bh[0])
-        flip = u[-1] < aug.FLIP_PROB
-      img = reduced_decode(img, box, size)
-      sx, sy = img.size[0] / w, img.size[1] / h
-      box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-      img = img.convert("RGB")  # normalises palette/alpha/16-bit modes
-      if channels == 1:
-        img = img.convert("L")  # ITU-R 601 luma, as augment.convert_channels
-      img = img.resize((size, size), Image.BILINEAR, box=box)
-      if flip:
-        img = img.transpose(Image.FLIP_LEFT_RIGHT)
-      return np.asarray(img, np.uint8).reshape(size, size, channels)
+    return decode_crop(path, u, self.image_shape)
 
   def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
     """Example ``index``'s image; an unreadable file is logged once (per
@@ -206,6 +185,35 @@ class ImageFolderSource(IndexedSource):
       us = list(aug.hash_uniform(self.seed, positions,
                                  4 * aug.CROP_ATTEMPTS + 1))
     return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
+
+
+def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float = 1.0):
+  """Decodes an image file (a path or a file object) and crops it: the
+  random-resized crop and flip of the uniforms ``u``, or (``u`` None) the
+  central square of side ``crop_fraction * min(h, w)``; resized to
+  ``image_shape`` (bilinear, antialiased), uint8 ``[S, S, C]``."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  size, _, channels = image_shape
+  with Image.open(file) as img:
+    w, h = img.size
+    if u is None:
+      side = crop_fraction * min(w, h)
+      box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
+      flip = False
+    else:
+      top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w)
+      box = (left[0], top[0], left[0] + bw[0], top[0] + bh[0])
+      flip = u[-1] < aug.FLIP_PROB
+    img = reduced_decode(img, box, size)
+    sx, sy = img.size[0] / w, img.size[1] / h
+    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    img = img.convert("RGB")  # normalises palette/alpha/16-bit modes
+    if channels == 1:
+      img = img.convert("L")  # ITU-R 601 luma, as augment.convert_channels
+    img = img.resize((size, size), Image.BILINEAR, box=box)
+    if flip:
+      img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(img, np.uint8).reshape(size, size, channels)
 
 
 def reduced_decode(img, box, size: int):

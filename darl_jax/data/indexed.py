@@ -60,6 +60,11 @@ class IndexedSource(DataSource):
     counters of the spatial augmentation; None means eval preprocessing.
     """
 
+  def _examples(self, indices: np.ndarray, positions: Optional[np.ndarray]):
+    """(images uint8 [n, H, W, C], labels int32 [n]) of examples ``indices``;
+    sources that read both from one record override this."""
+    return self._load(indices, positions), self.labels[indices]
+
   # -- training -------------------------------------------------------------
 
   def epoch_permutation(self, epoch: int) -> np.ndarray:
@@ -94,8 +99,8 @@ class IndexedSource(DataSource):
     indices, positions = self.train_indices(step, batch_size, process_index,
                                             process_count)
     spatial = self.augment == "spatial"
-    return {"image": self._load(indices, positions if spatial else None),
-            "label": self.labels[indices]}
+    images, labels = self._examples(indices, positions if spatial else None)
+    return {"image": images, "label": labels}
 
   def train_batches(self, batch_size: int, start_step: int = 0,
                     process_index: int = 0,
@@ -131,7 +136,8 @@ class IndexedSource(DataSource):
     indices = np.arange(lo + k * local, min(lo + (k + 1) * local, hi))
     batch = None
     if len(indices):
-      batch = {"image": self._load(indices, None), "label": self.labels[indices]}
+      images, labels = self._examples(indices, None)
+      batch = {"image": images, "label": labels}
     return pad_batch(batch, local, self.image_shape)
 
 

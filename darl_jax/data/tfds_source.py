@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from darl_jax.data import tfds_records
 from darl_jax.data.base import (AUGMENTS, Batch, DataSource, cfg_get,
                                 check_process, local_batch_size,
                                 num_eval_batches, pad_batch, process_range)
@@ -36,6 +37,10 @@ DEFAULT_SHUFFLE_BUFFER = 10_000
 CROP_AREA = (0.2, 1.0)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 _LUMA = (0.299, 0.587, 0.114)  # same weights as augment.convert_channels
+# data.backend for TFDS datasets: "records" reads ArrayRecord files record by
+# record through the Grain pipeline (tfds_records.py), "tf" uses tf.data
+# (this module), "auto" takes records when the dataset is prepared so.
+BACKENDS = ("auto", "records", "tf")
 
 
 class DatasetNotPreparedError(FileNotFoundError):
@@ -134,8 +139,18 @@ def build(config: Any, *, split: str, seed: int,
   is_imagenet = tfds_name.split("/")[0].split(":")[0] == "imagenet2012"
   crop = cfg_get(config, "crop_fraction",
                  IMAGENET_CROP_FRACTION if is_imagenet else 1.0)
+  data_dir = data_dir or default_data_dir()
+  backend = cfg_get(config, "backend", "auto")
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown data.backend {backend!r} for a TFDS dataset; valid: "
+                     f"{', '.join(BACKENDS)}")
+  if backend == "records" or (backend == "auto" and builder.info.splits
+                              and tfds_records.file_format(builder) == "array_record"):
+    spec = resolve_split(builder, split, int(cfg_get(config, "val_split_size", 0)))
+    return tfds_records.build(config, builder, name=tfds_name, split=spec,
+                              data_dir=data_dir, seed=seed, crop_fraction=crop)
   return TfdsSource(builder, split, config, seed=seed, crop_fraction=crop,
-                    data_dir=data_dir or default_data_dir(), name=tfds_name)
+                    data_dir=data_dir, name=tfds_name)
 
 
 class JpegPreprocess:
