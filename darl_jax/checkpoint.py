@@ -514,27 +514,8 @@ def restore_params(path_or_workdir: str, *,
   on a laptop), and only the ``params`` subtree is read (optimizer moments,
   typically 2x the parameter bytes, are skipped).
   """
-  path = absolute_path(path_or_workdir)
-  ckpt_dir, step = _resolve_checkpoint_dir(path, step)
-  # A plain (non read-only) manager with create=False writes nothing unless
-  # asked to save, and unlike read_only=True it does not log warnings. It
-  # must not clean up temporary directories: a run may be writing right now.
-  manager = ocp.CheckpointManager(
-      ckpt_dir,
-      options=ocp.CheckpointManagerOptions(
-          create=False, enable_async_checkpointing=False),
-      item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
+  manager, ckpt_dir, step, candidates = _open_reader(path_or_workdir, step)
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise _no_checkpoint_error(path)
-    if step is not None and int(step) not in steps:
-      raise _no_checkpoint_error(
-          path, f"step {step} not found; available steps: {steps}")
-    # The newest step that reads, unless a step is asked for: a damaged
-    # newest checkpoint is skipped (and left where it is: a training run may
-    # own this directory; the run itself moves damaged ones aside).
-    candidates = [int(step)] if step is not None else steps[::-1]
     problems = []
     for s in candidates:
       try:
@@ -559,21 +540,10 @@ def read_meta(path_or_workdir: str, *, step: int | None = None) -> tuple[int, di
   as in restore_params). For readers that need the stored config before the
   parameters (sampling builds its model from it); they then read the
   parameters of exactly this step."""
-  path = absolute_path(path_or_workdir)
-  ckpt_dir, step = _resolve_checkpoint_dir(path, step)
-  manager = ocp.CheckpointManager(
-      ckpt_dir, options=ocp.CheckpointManagerOptions(
-          create=False, enable_async_checkpointing=False),
-      item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
+  manager, ckpt_dir, step, candidates = _open_reader(path_or_workdir, step)
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise _no_checkpoint_error(path)
-    if step is not None and int(step) not in steps:
-      raise _no_checkpoint_error(
-          path, f"step {step} not found; available steps: {steps}")
     problems = []
-    for s in ([int(step)] if step is not None else steps[::-1]):
+    for s in candidates:
       try:
         meta = manager.restore(
             s, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
@@ -588,6 +558,36 @@ def read_meta(path_or_workdir: str, *, step: int | None = None) -> tuple[int, di
   finally:
     manager.close()
   raise CheckpointDamagedError("; ".join(problems))
+
+
+def _open_reader(path_or_workdir: str, step: int | None):
+  """``(manager, checkpoints dir, step, steps to try)`` for a reader of
+  ``path_or_workdir`` (``step`` as asked, or a step directory's): ``[step]``
+  when there is one, else every step newest first,
+  step, so that a damaged newest checkpoint is skipped (and left where it
+  is: a training run may own this directory; the run itself moves damaged
+  ones aside). The caller closes the manager."""
+  path = absolute_path(path_or_workdir)
+  ckpt_dir, step = _resolve_checkpoint_dir(path, step)
+  # A plain (non read-only) manager with create=False writes nothing unless
+  # asked to save, and unlike read_only=True it does not log warnings. It
+  # must not clean up temporary directories: a run may be writing right now.
+  manager = ocp.CheckpointManager(
+      ckpt_dir,
+      options=ocp.CheckpointManagerOptions(
+          create=False, enable_async_checkpointing=False),
+      item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise _no_checkpoint_error(path)
+    if step is not None and int(step) not in steps:
+      raise _no_checkpoint_error(
+          path, f"step {step} not found; available steps: {steps}")
+  except BaseException:
+    manager.close()
+    raise
+  return manager, ckpt_dir, step, ([int(step)] if step is not None else steps[::-1])
 
 
 def _read_params(manager, ckpt_dir, step: int):
