@@ -17,15 +17,18 @@ it; metrics.jsonl has loss_gamma_bin_XX (low gamma = heavy noise = high loss);
 predictions.png shows originals, then two teacher-forced samples from the
 reverse diffusion process (100 steps) for each next patch.
 
-Args (``--config=...py:steps=200``): steps (total_steps).
+Args (``--config=...py:steps=200,probe``): steps (total_steps); probe: a
+ridge probe on frozen features at every evaluation, logged as
+``val_probe_accuracy`` (config.probe_eval).
 """
 
 from darl_jax import config_lib
 
 
 def get_config(arg=None):
-  args = config_lib.parse_arg(arg, steps=500)
+  args = config_lib.parse_arg(arg, steps=500, probe=False)
   c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.decoder.update(kind="transformer", depth=1, gamma_conditioning=True)
   c.loss.update(kind="diffusion", noise_a=1.0, noise_b=1.0, predict="x0")
+  c.probe_eval.enabled = args.probe
   return c

@@ -13,15 +13,18 @@ step 200 and lower after; the workdir holds
 config.json, metrics.jsonl, tensorboard/, checkpoints/ and predictions.png
 (left: originals, right: teacher-forced next-patch predictions).
 
-Args (``--config=...py:steps=200``): steps (total_steps).
+Args (``--config=...py:steps=200,probe``): steps (total_steps); probe: a
+ridge probe on frozen features at every evaluation, logged as
+``val_probe_accuracy`` (config.probe_eval).
 """
 
 from darl_jax import config_lib
 
 
 def get_config(arg=None):
-  args = config_lib.parse_arg(arg, steps=500)
+  args = config_lib.parse_arg(arg, steps=500, probe=False)
   c = config_lib.fashion_mnist_pretrain_config(args.steps)
   c.decoder.update(kind="linear")
   c.loss.update(kind="mse")
+  c.probe_eval.enabled = args.probe
   return c

@@ -147,3 +147,12 @@ def test_linear_probe_end_to_end(pretrained, tmp_path):
   assert (tmp_path / "probe_accuracy.png").stat().st_size > 1000
   final = [r for r in metrics_lib.read_metrics(str(tmp_path)) if "val_best_accuracy" in r]
   assert final and final[-1]["val_best_accuracy"] == report["best_accuracy"]
+
+
+def test_fashion_mnist_pretraining_configs_switch_the_ridge_probe_on():
+  """``:probe`` turns on the ridge probe during pretraining from the command line."""
+  for name in ("fashion_mnist_diff", "fashion_mnist_mse"):
+    get_config = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "experiments" /
+                                    f"{name}.py"))["get_config"]
+    assert get_config("probe").probe_eval.enabled
+    assert not get_config(None).probe_eval.enabled
