@@ -21,28 +21,9 @@ SPLIT_SIZES = {"train": 1_281_167, "validation": 50_000, "test": 50_000}
 DISTINCT_BATCHES = 4
 
 
-class _Cycle:
-  """Infinite iterator over fixed batches with a JSON state (the next step)."""
-
-  def __init__(self, batches: list[dict], step: int):
-    self._batches, self._step = batches, step
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    batch = self._batches[self._step % len(self._batches)]
-    self._step += 1
-    return batch
-
-  def get_state(self) -> dict:
-    return {"next_step": self._step}
-
-  def set_state(self, state: dict) -> None:
-    self._step = int(state["next_step"])
-
-
 class SyntheticSource(DataSource):
+
+  random_access = True
 
   def __init__(self, *, split: str, image_size: int, channels: int, seed: int):
     if split not in SPLIT_SIZES:
@@ -51,21 +32,26 @@ class SyntheticSource(DataSource):
     self.num_classes = NUM_CLASSES
     self.num_examples = SPLIT_SIZES[split]
     self.seed = seed
+    self._cache: dict[int, list[dict]] = {}
 
   def _batches(self, rows: int) -> list[dict]:
-    rng = np.random.default_rng(self.seed)
-    return [{"image": rng.integers(0, 256, (rows, *self.image_shape), dtype=np.uint8),
-             "label": rng.integers(0, NUM_CLASSES, (rows,), dtype=np.int32)}
-            for _ in range(DISTINCT_BATCHES)]
+    if rows not in self._cache:
+      rng = np.random.default_rng(self.seed)
+      self._cache[rows] = [
+          {"image": rng.integers(0, 256, (rows, *self.image_shape), dtype=np.uint8),
+           "label": rng.integers(0, NUM_CLASSES, (rows,), dtype=np.int32)}
+          for _ in range(DISTINCT_BATCHES)]
+    return self._cache[rows]
 
-  def train_iterator(self, batch_size: int, *, start_step: int = 0, process_index: int = 0,
-                     process_count: int = 1, num_workers: int = 0,
-                     state: dict | None = None) -> _Cycle:
-    del process_index, num_workers
-    it = _Cycle(self._batches(local_batch_size(batch_size, process_count)), start_step)
-    if state is not None:
-      it.set_state(state)
-    return it
+  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> dict:
+    del process_index
+    return self._batches(local_batch_size(batch_size, process_count))[
+        step % DISTINCT_BATCHES]
+
+  def train_iterator(self, batch_size: int, **kwargs):
+    # Always in this process: there is no work to hand to workers.
+    return super().train_iterator(batch_size, **{**kwargs, "num_workers": 0})
 
   def train_batches(self, batch_size: int, start_step: int = 0, process_index: int = 0,
                     process_count: int = 1) -> Iterator[dict]:
