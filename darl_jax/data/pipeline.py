@@ -70,7 +70,25 @@ def _parse_absl_flags() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
-class StepIterator:
+class _Counted:
+  """An iterator over ``self._iter`` that counts the steps it delivered."""
+
+  _iter: Iterator[dict]
+  _next_step: int
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = next(self._iter)
+    self._next_step += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"next_step": self._next_step}
+
+
+class StepIterator(_Counted):
   """Batches of steps ``start_step, start_step + 1, ...`` (up to ``stop``,
   exclusive) from ``batch_at``.
 
@@ -102,17 +120,6 @@ class StepIterator:
     self._iter = iter(iterable)
     self._next_step = step
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    batch = next(self._iter)
-    self._next_step += 1
-    return batch
-
-  def get_state(self) -> dict:
-    return {"next_step": self._next_step}
-
   def set_state(self, state: dict) -> None:
     step = int(state["next_step"])
     if step != self._next_step:
@@ -126,23 +133,12 @@ class StepIterator:
       close()
 
 
-class SequentialIterator:
+class SequentialIterator(_Counted):
   """A source's own sequential batch iterator, with the same state interface."""
 
   def __init__(self, batches: Iterator[dict], start_step: int):
-    self._batches = batches
+    self._iter = batches
     self._next_step = int(start_step)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    batch = next(self._batches)
-    self._next_step += 1
-    return batch
-
-  def get_state(self) -> dict:
-    return {"next_step": self._next_step}
 
   def set_state(self, state: dict) -> None:
     if int(state["next_step"]) != self._next_step:
