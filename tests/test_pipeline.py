@@ -211,3 +211,33 @@ def test_tfds_records_name_the_array_record_command():
   with pytest.raises(ValueError, match="--file_format=array_record"):
     tfds_records.build({}, builder, name="imagenet2012", split="train", data_dir="/d",
                        seed=0, crop_fraction=1.0)
+
+
+def test_step_clock_splits_wall_time_into_steps_input_wait_and_the_rest(monkeypatch):
+  """A window of 4 steps over 2 s with 0.5 s waiting for input: 500 ms a
+  step, a quarter input-bound; time outside windows (an evaluation) and the
+  waits count against goodput."""
+  now = [100.0]
+  monkeypatch.setattr(feed.time, "perf_counter", lambda: now[0])
+
+  class FakeFeed:
+    wait_s = 0.0
+
+  source = FakeFeed()
+  clock = feed.StepClock(source)           # the run starts at t = 100
+  now[0] = 101.0
+  clock.skip()                              # 1 s of start-up and compilation
+  for _ in range(4):
+    clock.tick()
+  source.wait_s += 0.5
+  now[0] = 103.0
+  first = clock.window()
+  assert first["step_time_ms"] == 500.0 and first["input_wait_fraction"] == 0.25
+  assert first["goodput"] == 1.5 / 3.0     # 1.5 s of stepping in 3 s of run
+  now[0] = 104.0
+  clock.skip()                              # a 1 s evaluation
+  clock.tick()
+  now[0] = 105.0
+  second = clock.window()
+  assert second["input_wait_fraction"] == 0.0 and second["goodput"] == 2.5 / 5.0
+  assert clock.window() == {}               # no steps, no window

@@ -44,6 +44,7 @@ from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
+from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
 from darl_jax.kernels import select
 from darl_jax.train import feed as feed_lib
@@ -485,8 +486,9 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
         clock.warned_input_bound = True
         logging.warning(
             "input-bound: the step waited for data %.0f%% of the last window; raise "
-            "data.num_workers (now %s) or give the job more host cores",
-            100 * timing["input_wait_fraction"], config.data.get("num_workers", -1))
+            "data.num_workers (now %d) or give the job more host cores",
+            100 * timing["input_wait_fraction"],
+            data_pipeline.resolve_num_workers(config.data.get("num_workers", -1)))
     if config.eval_every_steps and (step % config.eval_every_steps == 0
                                     or step == total_steps):
       scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
