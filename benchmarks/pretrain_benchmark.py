@@ -3,9 +3,9 @@
     python benchmarks/pretrain_benchmark.py                      # the default sweep
     python benchmarks/pretrain_benchmark.py --cases=L/16:mse:256 --timm_batch=128,256
 
-Measures the project's real training step (darl_from_config -> PretrainTrainer
-loss -> loop.make_train_step with the optax chain from optim.py, jitted with
-the state donated), on random data rotated over 4 batches: median img/s over
+Measures the project's real training step (``loop.setup``: the step the
+training loop runs, with its optax chain, mesh and state shardings, the
+state donated), on random data rotated over 4 batches: median img/s over
 ``--steps`` timed steps after ``--warmup`` (each step synchronised), the
 spread (10th-90th percentile), model TFLOP/s and MFU from darl_jax/flops.py
 (MaxText convention) against 989 TFLOP/s, compile time, and the step's device
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from darl_jax import config_lib, flops, optim  # noqa: E402
+from darl_jax import config_lib, flops  # noqa: E402
 from darl_jax.models import darl as darl_lib  # noqa: E402
 from darl_jax.train import loop, pretrain  # noqa: E402
 
@@ -51,7 +51,6 @@ DEFAULT_CASES = ("B/16:mse:1024,B/16:diffusion:1024,L/16:mse:256,L/16:diffusion:
 def build(variant, objective, batch, overrides):
   config = config_lib.imagenet_pretrain_config(variant, objective)
   config.batch_size = batch
-  config.model.attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   for item in overrides:
     key, value = item.split("=", 1)
     node, leaf = config_lib.config_node(config, key)
@@ -61,20 +60,11 @@ def build(variant, objective, batch, overrides):
 
 
 def make_step(config):
-  """The loop's own step function on the config's model and optimizer."""
-  trainer = pretrain.PretrainTrainer(config)
-  model = darl_lib.darl_from_config(config)
-  size = config.model.image_size
-  init_batch = {"image": jnp.zeros((1, size, size, 3), jnp.float32),
-                "label": jnp.zeros((1,), jnp.int32)}
-  rng = jax.random.PRNGKey(0)
-  abstract = jax.eval_shape(lambda r: trainer.init_variables(model, r, init_batch), rng)
-  tx, schedule = optim.make_optimizer(config.optim, abstract["params"], total_steps=10_000,
-                                      steps_per_epoch=1000, batch_size=config.batch_size)
-  state = jax.jit(loop.init_state_fn(trainer, model, tx, init_batch))(rng)
-  step = jax.jit(loop.make_train_step(trainer, model, tx, schedule, rng),
-                 donate_argnums=(0,))
-  return model, state, step
+  """The loop's own jitted step (loop.setup: the model, the optax chain, the
+  state shardings and the mesh of a real run), on synthetic data."""
+  config.data.name = "synthetic"
+  built = loop.setup(pretrain.PretrainTrainer(config), config)
+  return built.model, built.init_state(), built.train_step
 
 
 def time_steps(step_fn, state, batches, warmup, steps):

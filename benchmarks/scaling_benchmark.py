@@ -5,9 +5,9 @@
         --modes=dp,fsdp,fsdp_tensor --set model.attention_impl=cudnn
 
 In one process, measures img/s of the training step the loop runs
-(``loop.init_state_fn`` / ``loop.make_train_step`` with the optax chain of
-``darl_jax/optim.py``, state sharded by ``darl_jax/sharding.py`` and donated,
-batches on the loop's batch sharding) on
+(``loop.setup`` for each mesh: the optax chain of ``darl_jax/optim.py``,
+state sharded by ``darl_jax/sharding.py`` and donated, batches on the loop's
+batch sharding, the config's kernel choices, ``auto`` by default) on
 
 * 1 device (the baseline; or ``--baseline_img_s``, an earlier run's figure),
   then
@@ -40,11 +40,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from darl_jax import config_lib, memory, optim  # noqa: E402
-from darl_jax import sharding as sharding_lib  # noqa: E402
-from darl_jax.models import darl as darl_lib  # noqa: E402
+from darl_jax import config_lib, memory  # noqa: E402
 from darl_jax.train import loop, pretrain  # noqa: E402
 
 MODES = {  # mode -> (rules, mesh for n devices)
@@ -58,7 +57,6 @@ MODES = {  # mode -> (rules, mesh for n devices)
 def make_config(args):
   config = config_lib.imagenet_pretrain_config(args.variant, args.objective)
   config.model.image_size = args.image_size
-  config.model.attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   for item in args.set:
     key, value = item.split("=", 1)
     *parents, leaf = key.split(".")
@@ -70,42 +68,22 @@ def make_config(args):
   return config
 
 
-class Step:
-  """The loop's state init and update for ``config`` (built once, jitted per mesh)."""
-
-  def __init__(self, config):
-    self.config = config
-    trainer = pretrain.PretrainTrainer(config)
-    self.model = darl_lib.darl_from_config(config)
-    size, channels = config.model.image_size, config.model.channels
-    init_batch = {"image": jnp.zeros((1, size, size, channels), jnp.float32),
-                  "label": jnp.zeros((1,), jnp.int32)}
-    self.rng = jax.random.PRNGKey(0)
-    variables = jax.eval_shape(lambda r: trainer.init_variables(self.model, r, init_batch),
-                               self.rng)
-    self.abstract_params = variables["params"]
-    tx, schedule = optim.make_optimizer(config.optim, variables["params"], total_steps=10_000,
-                                        steps_per_epoch=1000, batch_size=config.batch_size)
-    self.init_state = loop.init_state_fn(trainer, self.model, tx, init_batch)
-    # per mesh: the step traces on its mesh, which the Pallas kernels split
-    # the batch by (kernels/per_shard.py)
-    self.make_train_step = lambda mesh: loop.make_train_step(
-        trainer, self.model, tx, schedule, self.rng, mesh)
-
-
-def measure(step: Step, devices, mode: str, per_device_batch: int, warmup: int,
+def measure(config, devices, mode: str, per_device_batch: int, warmup: int,
             steps: int) -> dict:
+  """img/s of the loop's own step (loop.setup) on ``devices`` in ``mode``."""
   n = len(devices)
   rules_name, mesh_of = MODES[mode] if n > 1 else ("replicated", MODES["dp"][1])
   mesh_sizes = mesh_of(n)
-  mesh = sharding_lib.make_mesh(mesh_sizes, devices=devices)
-  rules = sharding_lib.check_rules(rules_name)
-  abstract = jax.eval_shape(step.init_state, step.rng)
-  shardings = sharding_lib.tree_shardings(abstract, mesh, rules)
-  batch_sharding = sharding_lib.batch_sharding(mesh)
   global_batch = per_device_batch * mesh_sizes["data"] * mesh_sizes["fsdp"]
-  state = jax.jit(step.init_state, out_shardings=shardings)(step.rng)
-  size, channels = step.config.model.image_size, step.config.model.channels
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.update(batch_size=global_batch, sharding=rules_name)
+  config.mesh.update(**mesh_sizes)
+  config.data.update(name="synthetic", image_size=config.model.image_size,
+                     channels=config.model.channels)
+  built = loop.setup(pretrain.PretrainTrainer(config), config, devices=devices)
+  batch_sharding = built.batch_sharding
+  state = built.init_state()
+  size, channels = config.model.image_size, config.model.channels
   batches = []
   for k in jax.random.split(jax.random.PRNGKey(1), 2):
     image = jax.jit(lambda k: jax.random.uniform(k, (global_batch, size, size, channels),
@@ -114,19 +92,17 @@ def measure(step: Step, devices, mode: str, per_device_batch: int, warmup: int,
     label = jax.device_put(np.zeros((global_batch,), np.int32), batch_sharding)
     batches.append({"image": image, "label": label})
 
-  fn = jax.jit(step.make_train_step(mesh), in_shardings=(shardings, batch_sharding),
-               out_shardings=(shardings, None), donate_argnums=(0,))
   t0 = time.perf_counter()
-  compiled = fn.lower(state, batches[0]).compile()
+  compiled = built.train_step.lower(state, batches[0]).compile()
   compile_s = time.perf_counter() - t0
   ma = compiled.memory_analysis()
   xla_gib = float("nan")
   if ma is not None:
     xla_gib = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
                - ma.alias_size_in_bytes) / 2**30
-  est = memory.estimate(step.config, mesh_sizes, rules_name, global_batch,
-                        params=step.abstract_params)
-  remat = step.config.model.get("remat", "none")
+  est = memory.estimate(config, mesh_sizes, rules_name, global_batch,
+                        params=built.abstract_state["params"])
+  remat = config.model.get("remat", "none")
 
   for i in range(warmup):
     state, metrics = compiled(state, batches[i % 2])
@@ -170,14 +146,13 @@ def main(argv=None):
         f"{args.variant} {args.objective} {args.image_size}px, {args.per_device_batch} "
         f"images/device, dtype {config.model.dtype}, attention {config.model.attention_impl}, "
         f"remat {config.model.remat}")
-  step = Step(config)
   if args.baseline_img_s:
     rows = [dict(mode="1 device (given)", devices=1, global_batch=args.per_device_batch,
                  img_s=args.baseline_img_s, step_ms=1000 * args.per_device_batch
                  / args.baseline_img_s, compile_s=float("nan"), xla_gib=float("nan"),
                  estimate_gib=float("nan"), loss=float("nan"))]
   else:
-    rows = [measure(step, devices[:1], "dp", args.per_device_batch, args.warmup, args.steps)]
+    rows = [measure(config, devices[:1], "dp", args.per_device_batch, args.warmup, args.steps)]
   for mode in filter(None, args.modes.split(",")):
     if len(devices) < 2:
       print("only one local device: nothing to scale to")
@@ -185,7 +160,7 @@ def main(argv=None):
     if mode.endswith("tensor") and len(devices) % 2:
       print(f"{mode}: needs an even device count, skipped")
       continue
-    rows.append(measure(step, devices, mode, args.per_device_batch, args.warmup, args.steps))
+    rows.append(measure(config, devices, mode, args.per_device_batch, args.warmup, args.steps))
 
   base = rows[0]["img_s"]
   head = (f"{'run':<12} {'devices':>7} {'batch':>6} {'img/s':>9} {'step ms':>8} "

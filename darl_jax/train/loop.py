@@ -1,9 +1,9 @@
 """The one shared train loop. Trainers own only their model, loss and predictions.
 
-Phases, top to bottom: workdir and writers -> mesh -> data -> model and
-optimizer -> sharded state (built under jit from ``jax.eval_shape``, never on
-the host) -> resume -> jitted step -> loop (log, evaluate, checkpoint) ->
-trainer artifacts.
+Phases, top to bottom: workdir and writers -> ``setup`` (mesh -> data ->
+model and optimizer -> sharded state, built under jit from ``jax.eval_shape``,
+never on the host -> jitted steps; the benchmarks call it too) -> resume ->
+loop (log, evaluate, checkpoint) -> trainer artifacts.
 
 State is a dict ``{step, params, opt_state, model_state, bad_step}``:
 ``model_state`` holds non-trained collections (e.g. BatchNorm statistics),
@@ -25,14 +25,12 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import logging
 from etils import epath
@@ -273,51 +271,42 @@ def enable_compilation_cache(config) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def run(trainer: Trainer, config, workdir: str) -> dict:
-  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics.
+@dataclasses.dataclass
+class Setup:
+  """Everything a run trains with, built by ``setup`` without touching the
+  workdir: the loop (``run``) adds checkpoints, logging and the loop itself;
+  the benchmarks time ``train_step`` as the loop runs it."""
+  ctx: Context
+  model: Any
+  mesh: jax.sharding.Mesh
+  batch_sharding: Any
+  steps_per_epoch: int
+  tx: Any
+  schedule: Callable
+  base_rng: jax.Array
+  abstract_state: Any            # ShapeDtypeStructs carrying the state's shardings
+  state_shardings: Any
+  train_step: Callable           # jitted (state, batch) -> (state, metrics), state donated
+  eval_step: Callable            # jitted (params, model_state, batch) -> metric sums
+  init_state_fn: Callable        # rng -> state (unjitted)
 
-  Nothing is written before every config value passed ``config_lib.validate``
-  and the workdir is usable and locked (workdir.py: one run per workdir);
-  config.json and metrics.jsonl only once every resume check passed. Whatever
-  the loop raises, the checkpoint save in flight is finished or removed
-  (``Checkpointer.__exit__``), so the previous complete checkpoint survives
-  and no temporary folder is left, and the lock is released.
-  """
-  config_lib.validate(config)
-  # Orbax wants absolute paths; a relative local --workdir (as in the README)
-  # is taken relative to the current directory. URLs (gs://...) stay as given.
-  workdir = workdir_lib.prepare(workdir)
-  with contextlib.ExitStack() as cleanup:
-    cleanup.enter_context(workdir_lib.hold(workdir, is_main=jax.process_index() == 0))
-    return _run(trainer, config, workdir, cleanup)
+  def init_state(self) -> dict:
+    """A fresh state, built on the mesh (never on the host)."""
+    return jax.jit(self.init_state_fn, out_shardings=self.state_shardings)(
+        jax.random.fold_in(self.base_rng, -1 % (2**31)))
 
 
-def _run(trainer: Trainer, config, workdir: epath.Path,
-         cleanup: contextlib.ExitStack) -> dict:
-  """``run`` in a validated, locked workdir; ``cleanup`` closes the writers
-  and the checkpointer, also when an error ends the run."""
-  # ------------------------------------------------------------------ writers
-  is_main = jax.process_index() == 0
-  # config.json and metrics.jsonl are written by writer.start, after the
-  # resume checks: a refused resume leaves the workdir as it was.
-  writer = cleanup.enter_context(metrics_lib.MetricWriter(
-      str(workdir), is_main_process=is_main, tensorboard=config.get("tensorboard", True)))
-
+def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) -> Setup:
+  """Mesh, data sources, model, optimizer, state shardings and the jitted
+  steps of ``trainer`` under ``config``, in that order (a trainer that
+  trains). ``devices``: the mesh's devices (default: all)."""
   # ------------------------------------------------------------ mesh and data
-  started = time.perf_counter()
-  enable_compilation_cache(config)
-  mesh = sharding_lib.make_mesh(config.mesh)
+  mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
   if "model" in config:
     logging.info("%s", select.describe(config.model))
   warning = sharding_lib.kernel_mesh_warning(config.get("model"), mesh)
   if warning:
     logging.warning(warning)
-  if not trainer.trains:
-    ctx = Context(config, workdir, mesh, None, None, writer, 0)
-    writer.start(None, config.to_dict())    # its records are all written again
-    trainer.finalize(ctx, trainer.build_model(ctx), None)
-    writer.close()
-    return {}
   batch_sharding = sharding_lib.batch_sharding(mesh)
   if config.batch_size % jax.process_count():
     raise ValueError(f"batch_size {config.batch_size} must be divisible by the number "
@@ -365,6 +354,63 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract_state, state_shardings)
 
+  # --------------------------------------------------------------- the steps
+  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh)
+  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, None), donate_argnums=(0,))
+  eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
+  return Setup(ctx=ctx, model=model, mesh=mesh, batch_sharding=batch_sharding,
+               steps_per_epoch=steps_per_epoch, tx=tx, schedule=schedule, base_rng=base_rng,
+               abstract_state=abstract_state, state_shardings=state_shardings,
+               train_step=train_step, eval_step=eval_step, init_state_fn=init_state)
+
+
+def run(trainer: Trainer, config, workdir: str) -> dict:
+  """Trains ``trainer`` per ``config`` in ``workdir``; returns the last metrics.
+
+  Nothing is written before every config value passed ``config_lib.validate``
+  and the workdir is usable and locked (workdir.py: one run per workdir);
+  config.json and metrics.jsonl only once every resume check passed. Whatever
+  the loop raises, the checkpoint save in flight is finished or removed
+  (``Checkpointer.__exit__``), so the previous complete checkpoint survives
+  and no temporary folder is left, and the lock is released.
+  """
+  config_lib.validate(config)
+  # Orbax wants absolute paths; a relative local --workdir (as in the README)
+  # is taken relative to the current directory. URLs (gs://...) stay as given.
+  workdir = workdir_lib.prepare(workdir)
+  with contextlib.ExitStack() as cleanup:
+    cleanup.enter_context(workdir_lib.hold(workdir, is_main=jax.process_index() == 0))
+    return _run(trainer, config, workdir, cleanup)
+
+
+def _run(trainer: Trainer, config, workdir: epath.Path,
+         cleanup: contextlib.ExitStack) -> dict:
+  """``run`` in a validated, locked workdir; ``cleanup`` closes the writers
+  and the checkpointer, also when an error ends the run."""
+  # ------------------------------------------------------------------ writers
+  is_main = jax.process_index() == 0
+  # config.json and metrics.jsonl are written by writer.start, after the
+  # resume checks: a refused resume leaves the workdir as it was.
+  writer = cleanup.enter_context(metrics_lib.MetricWriter(
+      str(workdir), is_main_process=is_main, tensorboard=config.get("tensorboard", True)))
+
+  started = time.perf_counter()
+  enable_compilation_cache(config)
+  if not trainer.trains:
+    mesh = sharding_lib.make_mesh(config.mesh)
+    ctx = Context(config, workdir, mesh, None, None, writer, 0)
+    writer.start(None, config.to_dict())    # its records are all written again
+    trainer.finalize(ctx, trainer.build_model(ctx), None)
+    writer.close()
+    return {}
+  built = setup(trainer, config, workdir=workdir, writer=writer)
+  ctx, model, mesh, batch_sharding = built.ctx, built.model, built.mesh, built.batch_sharding
+  train_source, eval_source = ctx.train_source, ctx.eval_source
+  total_steps, steps_per_epoch = ctx.total_steps, built.steps_per_epoch
+  state_shardings, train_step, eval_step = (built.state_shardings, built.train_step,
+                                            built.eval_step)
+
   # Closed by ``cleanup``; on an error it first finishes (or removes) the save
   # in flight, so that the newest complete checkpoint survives the error.
   ckpt = cleanup.enter_context(checkpoint_lib.Checkpointer(
@@ -372,7 +418,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   try:
     # The newest checkpoint that restores: damaged ones are moved aside.
     resumed = ckpt.restore_newest(
-        abstract_state, lambda meta: config_lib.check_resume_compatible(meta, config))
+        built.abstract_state, lambda meta: config_lib.check_resume_compatible(meta, config))
   except checkpoint_lib.StateMismatchError as e:
     changed = config_lib.changed_keys(e.meta, config)
     raise ValueError(
@@ -384,8 +430,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     start_step, state, resume_meta = resumed
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
   else:
-    state = jax.jit(init_state, out_shardings=state_shardings)(
-        jax.random.fold_in(base_rng, -1 % (2**31)))
+    state = built.init_state()
     params = trainer.load_pretrained(ctx, state["params"])
     state["params"] = jax.device_put(params, state_shardings["params"])
     start_step = 0
@@ -404,13 +449,6 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   # The log window the checkpoint cut in two: its first part, so that the
   # first log after a resume averages the same steps as without the kill.
   log_carry = resume_meta.get("log_window")
-
-  # --------------------------------------------------------------- the step
-  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh)
-  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                       out_shardings=(state_shardings, None), donate_argnums=(0,))
-
-  eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
 
   def check_finite(state, where: str):
     bad = int(jax.device_get(state["bad_step"]))
