@@ -129,7 +129,8 @@ class DataSource(abc.ABC):
     if self.num_examples == 0:
       raise ValueError("cannot train on an empty split")
     return pipeline.StepIterator(
-        BatchAt(self, batch_size, process_index, process_count), start_step=start_step,
+        CallAt(self, "train_batch", batch_size, process_index, process_count),
+        start_step=start_step,
         num_workers=pipeline.resolve_num_workers(num_workers))
 
   @abc.abstractmethod
@@ -165,15 +166,13 @@ class DataSource(abc.ABC):
             f"num_examples={self.num_examples})")
 
 
-class BatchAt:
-  """``step -> source.train_batch(step, ...)``: the picklable function the
-  pipeline's worker processes run."""
+class CallAt:
+  """``k -> getattr(source, method)(k, *args)``: the picklable function the
+  pipeline's worker processes run (``train_batch`` of step k, ``eval_batch``
+  k, ...)."""
 
-  def __init__(self, source: DataSource, batch_size: int, process_index: int,
-               process_count: int):
-    self.source, self.batch_size = source, batch_size
-    self.process_index, self.process_count = process_index, process_count
+  def __init__(self, source: DataSource, method: str, *args):
+    self.source, self.method, self.args = source, method, args
 
-  def __call__(self, step: int) -> Batch:
-    return self.source.train_batch(int(step), self.batch_size, self.process_index,
-                                   self.process_count)
+  def __call__(self, k: int) -> Batch:
+    return getattr(self.source, self.method)(int(k), *self.args)

@@ -26,7 +26,7 @@ import numpy as np
 
 from darl_jax.data import augment as aug
 from darl_jax.data import pipeline
-from darl_jax.data.base import (AUGMENTS, Batch, DataSource, check_process,
+from darl_jax.data.base import (AUGMENTS, Batch, CallAt, DataSource, check_process,
                                 local_batch_size, num_eval_batches, pad_batch,
                                 process_range)
 
@@ -119,7 +119,7 @@ class IndexedSource(DataSource):
     local = local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
     count = num_eval_batches(self.num_examples, local, process_count)
-    batch_at = EvalBatchAt(self, local, process_index, process_count)
+    batch_at = CallAt(self, "eval_batch", local, process_index, process_count)
     workers = pipeline.resolve_num_workers(num_workers) if self.decodes_files else 0
     if workers:
       return pipeline.StepIterator(batch_at, num_workers=workers, stop=count)
@@ -139,19 +139,6 @@ class IndexedSource(DataSource):
       images, labels = self._examples(indices, None)
       batch = {"image": images, "label": labels}
     return pad_batch(batch, local, self.image_shape)
-
-
-class EvalBatchAt:
-  """``k -> source.eval_batch(k, ...)``, picklable for the worker processes."""
-
-  def __init__(self, source: IndexedSource, local: int, process_index: int,
-               process_count: int):
-    self.source, self.local = source, local
-    self.process_index, self.process_count = process_index, process_count
-
-  def __call__(self, k: int) -> Batch:
-    return self.source.eval_batch(int(k), self.local, self.process_index,
-                                  self.process_count)
 
 
 class ArraySource(IndexedSource):
