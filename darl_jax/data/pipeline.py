@@ -150,12 +150,12 @@ class SequentialIterator(_Counted):
 
 
 def check_state(state: dict | None, start_step: int) -> None:
-    """A checkpoint's data state must be where its step says the data is."""
-    if state is None:
-      return
-    if "next_step" not in state:
-      raise ValueError(f"unknown data iterator state {state!r} (expected next_step)")
-    if int(state["next_step"]) != int(start_step):
-      raise ValueError(
-          f"the checkpoint's data state is at step {state['next_step']} but its "
-          f"training state at step {start_step}: the checkpoint is inconsistent")
+  """A checkpoint's data state must be where its step says the data is."""
+  if state is None:
+    return
+  if "next_step" not in state:
+    raise ValueError(f"unknown data iterator state {state!r} (expected next_step)")
+  if int(state["next_step"]) != int(start_step):
+    raise ValueError(
+        f"the checkpoint's data state is at step {state['next_step']} but its "
+        f"training state at step {start_step}: the checkpoint is inconsistent")
