@@ -67,6 +67,15 @@ def hash_uniform(seed: int, positions: np.ndarray, num: int) -> np.ndarray:
   return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def crop_uniforms(seed: int, positions, num: int) -> list:
+  """Per-example uniforms of one crop + flip (rows of ``hash_uniform``), or
+  ``num`` Nones for eval preprocessing (``positions`` None): what the
+  per-file decoders (image folders, TFDS records) take one example at a time."""
+  if positions is None:
+    return [None] * num
+  return list(hash_uniform(seed, positions, 4 * CROP_ATTEMPTS + 1))
+
+
 def sample_crop_boxes(u: np.ndarray, height, width,
                       scale=CROP_SCALE, ratio=CROP_RATIO):
   """Random-resized-crop boxes from uniforms.

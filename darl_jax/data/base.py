@@ -133,11 +133,13 @@ class DataSource(abc.ABC):
         start_step=start_step,
         num_workers=pipeline.resolve_num_workers(num_workers))
 
-  @abc.abstractmethod
   def train_batches(self, batch_size: int, start_step: int = 0,
                     process_index: int = 0,
                     process_count: int = 1) -> Iterator[Batch]:
     """Infinite shuffled (and, per config, augmented) local batches.
+
+    Random-access sources get ``train_iterator`` in this process (no
+    workers); the others implement it.
 
     Yields {"image": uint8 [b, H, W, C], "label": int32 [b]},
     b = batch_size // process_count. The batch for global step s depends only
@@ -145,6 +147,12 @@ class DataSource(abc.ABC):
     ``start_step = s`` yields exactly the batches that a run started at 0
     yields from its step s on. A checkpoint therefore only needs the step.
     """
+    if not self.random_access:
+      raise NotImplementedError(f"{type(self).__name__} implements neither "
+                                "train_batch nor train_batches")
+    return self.train_iterator(batch_size, start_step=start_step,
+                               process_index=process_index,
+                               process_count=process_count, num_workers=0)
 
   @abc.abstractmethod
   def eval_batches(self, batch_size: int, process_index: int = 0,

@@ -180,10 +180,7 @@ class ImageFolderSource(IndexedSource):
                      f"e.g. {next(iter(self._unreadable.items()))}")
 
   def _load(self, indices, positions):
-    us = [None] * len(indices)
-    if positions is not None:
-      us = list(aug.hash_uniform(self.seed, positions,
-                                 4 * aug.CROP_ATTEMPTS + 1))
+    us = aug.crop_uniforms(self.seed, positions, len(indices))
     return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
 
 

@@ -102,16 +102,6 @@ class IndexedSource(DataSource):
     images, labels = self._examples(indices, positions if spatial else None)
     return {"image": images, "label": labels}
 
-  def train_batches(self, batch_size: int, start_step: int = 0,
-                    process_index: int = 0,
-                    process_count: int = 1) -> Iterator[Batch]:
-    """``train_iterator`` in this process (no workers)."""
-    if start_step < 0:
-      raise ValueError(f"start_step must be >= 0, got {start_step}")
-    return self.train_iterator(batch_size, start_step=start_step,
-                               process_index=process_index,
-                               process_count=process_count, num_workers=0)
-
   # -- evaluation -----------------------------------------------------------
 
   def eval_batches(self, batch_size: int, process_index: int = 0,

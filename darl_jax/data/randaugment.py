@@ -264,31 +264,30 @@ class RandAugmentSource(DataSource):
   def random_access(self) -> bool:
     return self.source.random_access
 
+  def _augment(self, batch: dict, step: int, batch_size: int, process_index: int,
+               process_count: int) -> dict:
+    local = local_batch_size(batch_size, process_count)
+    positions = step * batch_size + process_index * local + np.arange(local)
+    return {**batch, "image": rand_augment(batch["image"], self.seed, positions,
+                                           **self.kwargs)}
+
   def train_batch(self, step: int, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> dict:
-    local = local_batch_size(batch_size, process_count)
-    batch = dict(self.source.train_batch(step, batch_size, process_index, process_count))
-    positions = step * batch_size + process_index * local + np.arange(local)
-    batch["image"] = rand_augment(batch["image"], self.seed, positions, **self.kwargs)
-    return batch
+    batch = self.source.train_batch(step, batch_size, process_index, process_count)
+    return self._augment(batch, step, batch_size, process_index, process_count)
 
   def train_batches(self, batch_size: int, start_step: int = 0, process_index: int = 0,
                     process_count: int = 1) -> Iterator[dict]:
     if self.random_access:
-      return self.train_iterator(batch_size, start_step=start_step,
-                                 process_index=process_index, process_count=process_count)
+      return super().train_batches(batch_size, start_step, process_index, process_count)
     return self._augmented(batch_size, start_step, process_index, process_count)
 
   def _augmented(self, batch_size, start_step, process_index, process_count):
-    local = local_batch_size(batch_size, process_count)
     inner = self.source.train_batches(batch_size, start_step=start_step,
                                       process_index=process_index,
                                       process_count=process_count)
     for step, batch in enumerate(inner, start=start_step):
-      positions = step * batch_size + process_index * local + np.arange(local)
-      batch = dict(batch)
-      batch["image"] = rand_augment(batch["image"], self.seed, positions, **self.kwargs)
-      yield batch
+      yield self._augment(batch, step, batch_size, process_index, process_count)
 
   def eval_batches(self, batch_size: int, process_index: int = 0,
                    process_count: int = 1, num_workers: int = 0) -> Iterator[dict]:

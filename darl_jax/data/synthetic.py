@@ -53,11 +53,6 @@ class SyntheticSource(DataSource):
     # Always in this process: there is no work to hand to workers.
     return super().train_iterator(batch_size, **{**kwargs, "num_workers": 0})
 
-  def train_batches(self, batch_size: int, start_step: int = 0, process_index: int = 0,
-                    process_count: int = 1) -> Iterator[dict]:
-    return self.train_iterator(batch_size, start_step=start_step,
-                               process_index=process_index, process_count=process_count)
-
   def eval_batches(self, batch_size: int, process_index: int = 0,
                    process_count: int = 1, num_workers: int = 0) -> Iterator[dict]:
     del process_index

@@ -72,9 +72,7 @@ class TfdsRecordSource(IndexedSource):
 
   def _examples(self, indices, positions):
     records = self.records()
-    us = [None] * len(indices)
-    if positions is not None:
-      us = list(aug.hash_uniform(self.seed, positions, 4 * aug.CROP_ATTEMPTS + 1))
+    us = aug.crop_uniforms(self.seed, positions, len(indices))
     images, labels = [], []
     for i, u in zip(indices, us):
       record = records[int(i)]

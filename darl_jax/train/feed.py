@@ -26,7 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,16 +53,12 @@ def to_global(batch: dict, sharding) -> dict:
           for k, v in batch.items()}
 
 
-def _state_of(it) -> Any:
-  get_state = getattr(it, "get_state", None)
-  return get_state() if get_state is not None else None
-
-
 class DeviceFeed:
   """Global device batches from a host iterator, ``size`` batches ahead.
 
+  ``host_iter`` is a source's ``train_iterator`` (``get_state``, ``close``).
   Each item is ``(batch, data_state)``: ``data_state`` is the host
-  iterator's ``get_state()`` right after this batch (None if it has none),
+  iterator's ``get_state()`` right after this batch,
   the position a checkpoint taken after this batch's step must store.
   Errors of the host pipeline are raised in the consumer. ``wait_s`` is the
   total time the consumer spent blocked waiting for a batch.
@@ -90,7 +86,7 @@ class DeviceFeed:
     try:
       while not self._stop.is_set():
         batch = next(it)
-        if not self._put((to_global(batch, sharding), _state_of(it))):
+        if not self._put((to_global(batch, sharding), it.get_state())):
           return
     except BaseException as e:  # pylint: disable=broad-except  # raised in the consumer
       self._put(e)
@@ -108,12 +104,10 @@ class DeviceFeed:
 
   def close(self) -> None:
     """Stops the producer thread (it may be blocked on a full queue), then
-    the host iterator's worker processes, if it has any."""
+    the host iterator (and its worker processes, if any)."""
     self._stop.set()
     self._thread.join(timeout=5)
-    close = getattr(self._host_iter, "close", None)
-    if close is not None:
-      close()
+    self._host_iter.close()
 
 
 class StepClock:
