@@ -26,7 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +53,18 @@ def to_global(batch: dict, sharding) -> dict:
           for k, v in batch.items()}
 
 
+def _state_of(it) -> Any:
+  # A trainer's make_source may wrap a source's iterator in a plain
+  # generator: it then has no state, and a resume goes by the step alone.
+  get_state = getattr(it, "get_state", None)
+  return get_state() if get_state is not None else None
+
+
 class DeviceFeed:
   """Global device batches from a host iterator, ``size`` batches ahead.
 
-  ``host_iter`` is a source's ``train_iterator`` (``get_state``, ``close``).
   Each item is ``(batch, data_state)``: ``data_state`` is the host
-  iterator's ``get_state()`` right after this batch,
+  iterator's ``get_state()`` right after this batch (None if it has none),
   the position a checkpoint taken after this batch's step must store.
   Errors of the host pipeline are raised in the consumer. ``wait_s`` is the
   total time the consumer spent blocked waiting for a batch.
@@ -86,7 +92,7 @@ class DeviceFeed:
     try:
       while not self._stop.is_set():
         batch = next(it)
-        if not self._put((to_global(batch, sharding), it.get_state())):
+        if not self._put((to_global(batch, sharding), _state_of(it))):
           return
     except BaseException as e:  # pylint: disable=broad-except  # raised in the consumer
       self._put(e)
@@ -104,10 +110,12 @@ class DeviceFeed:
 
   def close(self) -> None:
     """Stops the producer thread (it may be blocked on a full queue), then
-    the host iterator (and its worker processes, if any)."""
+    the host iterator's worker processes, if it has any."""
     self._stop.set()
     self._thread.join(timeout=5)
-    self._host_iter.close()
+    close = getattr(self._host_iter, "close", None)
+    if close is not None:
+      close()
 
 
 class StepClock:
