@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
+from darl_jax import ops  # noqa: E402
 from darl_jax.models import posenc as posenc_lib  # noqa: E402
 from darl_jax.models import vit  # noqa: E402
 
@@ -99,7 +100,7 @@ def main():
   row("dense fc1 bwd (dx, dW, db)", dense_vjp,
       lambda: (rand(n, d), rand(d, f), rand(f), rand(n, f)), (2 * n * d + n * f) * 2)
 
-  ln = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=jnp.bfloat16)
+  ln = nn.LayerNorm(epsilon=ops.LN_EPS, dtype=jnp.bfloat16)
   ln_params = ln.init(jax.random.PRNGKey(0), jnp.zeros((1, d), jnp.bfloat16))
 
   def ln_fwd_bwd(x, dy):
@@ -109,9 +110,9 @@ def main():
       n * d * 2 * 4)
 
   # The model's GELU (erf form, custom gradient) beside jax.nn.gelu's erfc
-  # form under autodiff (see vit.gelu_exact for why the model's is faster).
+  # form under autodiff (see ops.gelu for why the model's is faster).
   erfc_gelu = lambda h: nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
-  for name, gelu in (("model", vit.gelu_exact), ("erfc autodiff", erfc_gelu)):
+  for name, gelu in (("model", ops.gelu), ("erfc autodiff", erfc_gelu)):
     def gelu_fwd_bwd(h, dy, gelu=gelu):
       y, vjp = jax.vjp(gelu, h)
       return y, vjp(dy)
@@ -124,10 +125,10 @@ def main():
     row(f"bias+gelu fwd+bwd [N,F] ({name})", bias_gelu_fwd_bwd,
         lambda: (rand(n, f), rand(f), rand(n, f)), n * f * 2 * 4)
 
-  # One transformer block, forward + backward, as the step runs it.
-  block = vit.Block(variant.num_heads, variant.mlp_dim, causal=True,
-                    attention_impl="cudnn" if jax.default_backend() == "gpu" else "xla",
-                    dtype=jnp.bfloat16)
+  # One transformer block, forward + backward, as the step runs it (cuDNN's
+  # attention on GPUs, XLA's ops otherwise: darl_jax/ops.py).
+  block = vit.Block(variant.num_heads, variant.mlp_dim, causal=True, dtype=jnp.bfloat16)
+  attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
   b, t = args.batch, args.tokens
   side = int(np.ceil(np.sqrt(t)))
   rows_i, cols_i = np.divmod(np.arange(t), side)
@@ -142,7 +143,8 @@ def main():
   def block_fwd_bwd(p, x, dy):
     y, vjp = jax.vjp(lambda p, x: block.apply(p, x, rope), p, x)
     return vjp(dy)
-  row("block fwd+bwd", block_fwd_bwd, lambda: (params, rand(b, t, d), rand(b, t, d)), 0)
+  with ops.using(attention=attention, mlp="xla", norm="xla"):   # traced in row
+    row("block fwd+bwd", block_fwd_bwd, lambda: (params, rand(b, t, d), rand(b, t, d)), 0)
 
   print("\n| piece | ms | MB moved | GB/s |\n|---|---|---|---|")
   for name, ms, mb, gbs in rows:

@@ -22,7 +22,7 @@ on a new workdir (``--restart``; the same config, so the same programs,
 stopped after two steps): with the persistent compilation cache warm, the
 time to the first step is what a rerun or a resumed run pays.
 The last line is the ratio CLI / step. Extra config overrides go after
-``--``: ``... -- --config.model.attention_impl=cudnn``.
+``--``: ``... -- --config.kernels.attention=cudnn``.
 """
 
 from __future__ import annotations

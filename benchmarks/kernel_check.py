@@ -32,9 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from attention_kernel_bench import causal_xla, rotated  # noqa: E402
+from darl_jax import ops  # noqa: E402
 from darl_jax.kernels import hopper_attention as ha  # noqa: E402
 from darl_jax.kernels import layer_norm as ln  # noqa: E402
-from darl_jax.models import vit  # noqa: E402
 from layer_norm_bench import reference as norm_reference  # noqa: E402
 from mlp_kernel_bench import rel_err as rel  # noqa: E402
 
@@ -74,7 +74,7 @@ def check_add_bias_norm(width: int, rows: int = 4096) -> str:
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(s.astype(jnp.float32) * w[::-1])
 
   def kernel(*args):
-    s, out = ln.add_bias_layer_norm(*args, vit.LN_EPS, ln.DEFAULT_BLOCKS, INTERPRET)
+    s, out = ln.add_bias_layer_norm(*args, ops.LN_EPS, ln.DEFAULT_BLOCKS, INTERPRET)
     return loss(s, out), s
 
   def reference(x, y, y_bias, scale, bias):

@@ -42,6 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
+from darl_jax import ops  # noqa: E402
 from darl_jax.kernels import layer_norm as ln  # noqa: E402
 from darl_jax.models import vit  # noqa: E402
 from mlp_kernel_bench import rel_err, timed  # noqa: E402
@@ -70,11 +71,11 @@ def reference(x, scale, bias):
   x32 = x.astype(jnp.float32)
   mean = x32.mean(-1, keepdims=True)
   var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
-  return x, (x32 - mean) * jax.lax.rsqrt(var + vit.LN_EPS) * scale + bias
+  return x, (x32 - mean) * jax.lax.rsqrt(var + ops.LN_EPS) * scale + bias
 
 
 def xla_norm(x, scale, bias):
-  y = nn.LayerNorm(epsilon=vit.LN_EPS, dtype=x.dtype).apply(
+  y = nn.LayerNorm(epsilon=ops.LN_EPS, dtype=x.dtype).apply(
       {"params": {"scale": scale, "bias": bias}}, x)
   return x, y
 
@@ -115,7 +116,7 @@ def main():
   for text in args.blocks.split(","):
     blocks = parse_blocks(text)
     candidates.append((f"kernels {text}", lambda x, s, b, blocks=blocks:
-                       ln.residual_layer_norm(x, s, b, vit.LN_EPS, blocks, interpret)))
+                       ln.residual_layer_norm(x, s, b, ops.LN_EPS, blocks, interpret)))
   for name, norm in candidates:
     fwd = jax.jit(lambda x, s, b, norm=norm: norm(x, s, b)[1])
     both = fwd_bwd(norm)
@@ -146,9 +147,9 @@ def add_rows(x, scale, bias, dres, dy, iters):
   candidates = [
       ("XLA add, XLA norm", added(xla_norm)),
       ("XLA add, kernels", added(lambda x, s, b: ln.residual_layer_norm(
-          x, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS, interpret))),
+          x, s, b, ops.LN_EPS, ln.DEFAULT_BLOCKS, interpret))),
       ("add_layer_norm (fused)", lambda x, a, s, b: ln.add_layer_norm(
-          x, a, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS, interpret)),
+          x, a, s, b, ops.LN_EPS, ln.DEFAULT_BLOCKS, interpret)),
   ]
 
   ref_y, ref_g = fwd_bwd(added(reference))(x, a, scale, bias, dres, dy)
@@ -193,12 +194,12 @@ def bias_rows(x, scale, bias, dres, dy, iters, blocks_text):
   interpret = jax.default_backend() != "gpu"
   xla_sum = xla_sum_add_bias_layer_norm()
   candidates = [("XLA's branch-bias sum (before), default blocks",
-                 lambda x, a, ab, s, b: xla_sum(x, a, ab, s, b, vit.LN_EPS, ln.DEFAULT_BLOCKS,
+                 lambda x, a, ab, s, b: xla_sum(x, a, ab, s, b, ops.LN_EPS, ln.DEFAULT_BLOCKS,
                                                 interpret))]
   for text in blocks_text.split(","):
     blocks = parse_blocks(text)
     candidates.append((f"kernel sum, {text}", lambda x, a, ab, s, b, blocks=blocks:
-                       ln.add_bias_layer_norm(x, a, ab, s, b, vit.LN_EPS, blocks, interpret)))
+                       ln.add_bias_layer_norm(x, a, ab, s, b, ops.LN_EPS, blocks, interpret)))
   print("| add_bias_layer_norm | fwd+bwd ms | err d(branch bias) |")
   print("|---|---|---|")
   want = None

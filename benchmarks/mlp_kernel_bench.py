@@ -15,7 +15,7 @@ bf16), then times:
   for the backward and evaluating the derivative in the backward's
   epilogue, and rounding ``h`` to bf16 before the GELU as XLA does;
 - the whole MLP, forward and backward (weight gradients and bias sums
-  included), as models.vit.Mlp and as hopper_mlp.mlp.
+  included), as models.layers.Mlp and as hopper_mlp.mlp.
 Times are medians over repeats of back-to-back launches.
 
 ``--trace=DIR`` also runs the forward (with its epilogue and the rounding
@@ -46,7 +46,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from darl_jax.kernels import hopper_gemm, hopper_mlp  # noqa: E402
-from darl_jax.models import vit  # noqa: E402
+from darl_jax import ops  # noqa: E402
+from darl_jax.models import layers  # noqa: E402
 
 # rows per image (tokens), width, MLP width
 SHAPES = {"B/16": (196, 768, 3072), "L/16": (196, 1024, 4096), "H/14": (256, 1280, 5120)}
@@ -117,7 +118,7 @@ def epilogue_study(x, w, b, h, tiling, reference=False):
   doubled; ``reference``: also jax's own Hopper matmul example."""
   def erf_gelu(acc, bias, _):
     hh = (acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])).astype(jnp.bfloat16)
-    return hh, vit.gelu_exact(hh.astype(jnp.float32))
+    return hh, ops.gelu(hh.astype(jnp.float32))
 
   def gelu_only(acc, bias, _):
     return (hopper_mlp.kernel_gelu(acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])),)
@@ -278,14 +279,14 @@ def main():
   @jax.jit
   def xla_fwd(x, w, b):
     h = jnp.dot(x, w) + b.astype(bf)
-    return h, vit.gelu_exact(h)
+    return h, ops.gelu(h)
 
   @jax.jit
   def xla_bwd(dy, wt, h):
-    return vit._gelu_exact_bwd(h, jnp.dot(dy, wt))[0]
+    return ops._gelu_bwd(h, jnp.dot(dy, wt))[0]
 
   h_ref, g_ref = xla_fwd(x, w1b, b1)
-  dg_ref = jax.jit(lambda h: vit._gelu_exact_bwd(h, jnp.ones_like(h))[0])(h_ref)
+  dg_ref = jax.jit(lambda h: ops._gelu_bwd(h, jnp.ones_like(h))[0])(h_ref)
   dh_ref = xla_bwd(dy, w2tb, h_ref)
   fgemm = 2 * m * d * f
   rows = [("cuBLAS x @ w1", timed(jax.jit(jnp.dot), x, w1b), "")]   # (name, seconds, note[, GEMMs])
@@ -342,11 +343,13 @@ def main():
   if args.study:
     rows += epilogue_study(x, w1b, b1, h_ref, tilings[0], args.study_reference)
 
-  mlp_xla = vit.Mlp(f, dtype=bf)
+  mlp_xla = layers.Mlp(f, dtype=bf)
   params = {"fc1": {"kernel": w1, "bias": b1}, "fc2": {"kernel": w2, "bias": b2}}
 
   def loss_xla(p, x):
-    return jnp.vdot(mlp_xla.apply({"params": p}, x).astype(jnp.float32), dy.astype(jnp.float32))
+    with ops.using(mlp="xla"):   # the model's MLP on XLA's ops, whatever was configured
+      y = mlp_xla.apply({"params": p}, x)
+    return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32))
 
   def loss_kernel(p, x, kernels):
     y = hopper_mlp.mlp(x, p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"],
@@ -355,7 +358,7 @@ def main():
 
   g_xla = jax.jit(jax.grad(loss_xla, argnums=(0, 1)))
   ref = g_xla(params, x)
-  rows.append(("MLP fwd+bwd, models.vit.Mlp (XLA)", timed(g_xla, params, x), "", 6))
+  rows.append(("MLP fwd+bwd, models.layers.Mlp (XLA)", timed(g_xla, params, x), "", 6))
   graphs = {"xla": g_xla}
   for name, kernels in {"kernels": hopper_mlp.DEFAULT_KERNELS}.items():
     g_k = jax.jit(jax.grad(lambda p, x, k=kernels: loss_kernel(p, x, k), argnums=(0, 1)))

@@ -26,6 +26,9 @@ Runs without TensorFlow, ml_collections overrides come from --set key=value.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from darl_jax import config_lib, flops  # noqa: E402
+from darl_jax import config_lib, flops, ops  # noqa: E402
 from darl_jax.models import darl as darl_lib  # noqa: E402
 from darl_jax.train import loop, pretrain  # noqa: E402
 
@@ -93,6 +96,23 @@ def time_pipelined(step_fn, state, batches, steps):
   return state, (time.perf_counter() - t0) / steps
 
 
+@contextlib.contextmanager
+def _timing_turn():
+  """With ``DARL_BENCH_LOCK=<file>``, time only while holding that file's
+  lock: several benchmark processes (e.g. two versions of the code) then
+  compile at the same time and take turns on the GPU."""
+  path = os.environ.get("DARL_BENCH_LOCK")
+  if not path:
+    yield
+    return
+  with open(path, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def run_case(variant, objective, batch, args):
   config = build(variant, objective, batch, args.set)
   model, state, step = make_step(config)
@@ -106,7 +126,8 @@ def run_case(variant, objective, batch, args):
   ma = compiled.memory_analysis()
   mem_gb = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
             - ma.alias_size_in_bytes) / 2**30 if ma is not None else float("nan")
-  state, times, loss = time_steps(compiled, state, batches, args.warmup, args.steps)
+  with _timing_turn():
+    state, times, loss = time_steps(compiled, state, batches, args.warmup, args.steps)
   ips = batch / np.median(times)
   lo, hi = batch / np.percentile(times, 90), batch / np.percentile(times, 10)
   f = flops.darl_train_flops(model, (size, size))
@@ -139,13 +160,18 @@ def check_paths(args):
   """The model as ``--set`` asks (bf16, kernels) against fp32 + XLA's attention,
   MLP and norms, on the same parameters and batch."""
   out = {}
-  # 32 x 196 tokens: a multiple of 128 rows, so model.mlp_impl=hopper runs its kernels.
+  # 32 x 196 tokens: a multiple of 128 rows, so kernels.mlp=hopper runs its kernels.
   x = jax.random.uniform(jax.random.PRNGKey(3), (32, 224, 224, 3), jnp.float32, -1, 1)
-  for name, sets in (("plain", ["model.dtype=float32", "model.attention_impl=xla",
-                                "model.mlp_impl=xla", "model.norm_impl=xla"]),
+  for name, sets in (("plain", ["model.dtype=float32", "kernels.attention=xla",
+                                "kernels.mlp=xla", "kernels.norm=xla"]),
                      ("fast", [])):
-    init, loss = pretrain_loss(build("B/16", "diffusion", 32, list(args.set) + sets), x)
-    out[name] = float(jax.jit(loss)(init(0)))
+    config = build("B/16", "diffusion", 32, list(args.set) + sets)
+    # the kernels as the loop would choose them for this config (loop.setup
+    # sets them process-wide; here only for this loss)
+    chosen = ops.resolve(config.kernels, config.model.dtype)
+    with ops.using(**dataclasses.asdict(chosen)):
+      init, loss = pretrain_loss(config, x)
+      out[name] = float(jax.jit(loss)(init(0)))
   rel = abs(out["fast"] - out["plain"]) / abs(out["plain"])
   print(f"check: loss plain {out['plain']:.5f} fast {out['fast']:.5f} rel diff {rel:.2e} "
         f"({'ok' if rel < 2e-2 else 'FAILED'})")

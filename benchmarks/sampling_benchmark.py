@@ -93,9 +93,8 @@ def build_model(tiny: bool, dtype: str):
   model = darl_lib.darl_from_config(config)
   size = config.model.image_size
   rngs = {"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(1)}
-  # eval_gammas: init without building the Beta sampler (not needed for shapes).
-  params = jax.jit(lambda: model.init(rngs, jnp.zeros((1, size, size, 3)), train=False,
-                                      eval_gammas=np.array([0.5], np.float32)))()["params"]
+  params = jax.jit(lambda: model.init(rngs, jnp.zeros((1, size, size, 3)),
+                                      train=False))()["params"]
   return model, params, (size, size, 3)
 
 

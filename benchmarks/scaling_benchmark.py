@@ -2,7 +2,7 @@
 
     python benchmarks/scaling_benchmark.py                         # B/16 diffusion, 64/device
     python benchmarks/scaling_benchmark.py --variant=L/16 --per_device_batch=32 \\
-        --modes=dp,fsdp,fsdp_tensor --set model.attention_impl=cudnn
+        --modes=dp,fsdp,fsdp_tensor --set kernels.attention=cudnn
 
 In one process, measures img/s of the training step the loop runs
 (``loop.setup`` for each mesh: the optax chain of ``darl_jax/optim.py``,
@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from darl_jax import config_lib, memory  # noqa: E402
+from darl_jax import config_lib, memory, ops  # noqa: E402
 from darl_jax.train import loop, pretrain  # noqa: E402
 
 MODES = {  # mode -> (rules, mesh for n devices)
@@ -144,8 +144,8 @@ def main(argv=None):
   config = make_config(args)
   print(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}; "
         f"{args.variant} {args.objective} {args.image_size}px, {args.per_device_batch} "
-        f"images/device, dtype {config.model.dtype}, attention {config.model.attention_impl}, "
-        f"remat {config.model.remat}")
+        f"images/device, dtype {config.model.dtype}, remat {config.model.remat}; "
+        f"{ops.describe(config.kernels, ops.resolve(config.kernels, config.model.dtype))}")
   if args.baseline_img_s:
     rows = [dict(mode="1 device (given)", devices=1, global_batch=args.per_device_batch,
                  img_s=args.baseline_img_s, step_ms=1000 * args.per_device_batch

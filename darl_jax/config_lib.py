@@ -17,6 +17,8 @@ import math
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from darl_jax import ops
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Defaults shared by all trainers (a tiny CPU-sized run)."""
@@ -59,17 +61,18 @@ def base_config() -> ml_collections.ConfigDict:
       "variant": "Ti/4", "width": 0, "depth": 0, "num_heads": 0, "mlp_dim": 0,
       "image_size": 28, "reference_image_size": 0, "channels": 1,
       "posenc": "rope2d", "rope_max_wavelength": 10_000.0,
-      # Implementations: "auto" = the fastest this backend supports
-      # (darl_jax/kernels/select.py), or one named explicitly: attention
-      # xla | cudnn | hopper, mlp xla | hopper, norm xla | triton.
-      "causal": True, "attention_impl": "auto", "dtype": "float32",
-      "mlp_impl": "auto",
-      "norm_impl": "auto",
+      "causal": True, "dtype": "float32",
       "drop_path": 0.0, "scan_layers": False, "remat": "none",
       "ordering": "raster", "ordering_block": 2,
       # XLNet-style query stream (models/two_stream.py); with ordering="random"
       # every example gets a fresh patch order.
       "two_stream": False})
+
+  # How the model's ops run (darl_jax/ops.py): "auto" = the fastest this
+  # backend supports, or one named explicitly: attention xla | cudnn |
+  # hopper, mlp xla | hopper, norm xla | triton. Not part of the model: a
+  # checkpoint resumes, fine-tunes and exports under any choice.
+  c.kernels = ml_collections.ConfigDict({"attention": "auto", "mlp": "auto", "norm": "auto"})
 
   c.optim = ml_collections.ConfigDict({
       "name": "adamw", "base_lr": 1.5e-4, "lr_scaling": True, "b1": 0.9, "b2": 0.95,
@@ -149,9 +152,11 @@ def resolve_total_steps(config, steps_per_epoch: int) -> int:
 
 
 # Model keys that may change between a checkpoint and its resumed run:
-# resolution, implementation and memory knobs, not the parameters' shapes.
-RESUMABLE_MODEL_KEYS = ("image_size", "reference_image_size", "attention_impl", "mlp_impl",
-                        "norm_impl", "dtype", "remat", "drop_path")
+# resolution, precision and memory knobs, not the parameters' shapes (and
+# the kernel choices that configs written before ``config.kernels`` kept
+# under ``model``).
+RESUMABLE_MODEL_KEYS = ("image_size", "reference_image_size", "dtype", "remat", "drop_path",
+                        "attention_impl", "mlp_impl", "norm_impl")
 
 
 def _architecture(config) -> dict:
@@ -341,6 +346,11 @@ def validate(config) -> None:
   training has started, and keep_checkpoints=0 would keep no checkpoint."""
   for dotted, ok, want, example in _RULES:
     _check(config, dotted, ok, want, example)
+  for op, valid in ops.CHOICES.items():
+    value = config.get("kernels", {}).get(op, "auto")
+    if value not in valid:
+      raise ConfigError(f"config.kernels.{op} must be one of {', '.join(valid)}, got "
+                        f"{value!r}: set --config.kernels.{op}=auto")
   mesh = config.get("mesh")
   if mesh is not None:
     for axis in mesh.keys():

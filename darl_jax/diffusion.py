@@ -9,8 +9,10 @@ from ``gamma_s`` to a cleaner ``gamma_prev >= gamma_s`` (the paper's
 ``gamma_{s-1}``), with per-step ``alpha = gamma_s / gamma_prev``.
 
 Training draws ``gamma ~ Beta(a, b)`` independently per patch
-(:func:`sample_gamma`); sampling walks the deterministic grid
-:func:`sampling_gamma_grid` that has the same distribution.
+(:func:`sample_gamma`; the losses are in darl_jax/objectives.py); sampling
+walks the deterministic grid :func:`sampling_gamma_grid` that has the same
+distribution, with the one denoising chain :func:`reverse_diffusion` that both
+the sampler and pretraining's prediction picture run.
 
 Shapes and broadcasting. Data tensors are ``[..., P]`` (patch pixels last).
 Gamma aligns with the *leading* axes of the data (not numpy's trailing
@@ -19,18 +21,15 @@ alignment): its shape is a prefix of the data shape, typically
 ``k`` noise draws per patch, x ``[B, N, k, P]``); trailing singleton axes are
 added until the ranks match and ordinary broadcasting takes over.
 
-Jit. The jax functions are jitted (``shape`` of :func:`sample_gamma` and
-``num_bins`` of :func:`gamma_bin_stats` static) so that eager calls, e.g. in a
-Python sampling loop, compile once per shape instead of once per primitive;
-inside an outer jit they are simply inlined.
-
-Dtypes. Every function computes in float32 and returns float32, whatever the
-input dtype (bfloat16 activations included); callers cast down if they want.
+Jit and dtypes. The jax functions are jitted (shapes and bin counts static),
+so eager calls compile once per shape; inside an outer jit they are inlined.
+They compute in float32 and return float32 whatever the input dtype.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +220,34 @@ def ddpm_step(key: jax.Array, x_s, x0_pred, gamma_s, gamma_prev, temperature: fl
   if is_final is not None:
     final = final | _expand(jnp.asarray(is_final, dtype=bool), x_s.ndim)
   return jnp.where(final, mu, mu + temperature * std * z)
+
+
+def reverse_diffusion(denoise: Callable[[jax.Array, jax.Array], jax.Array],
+                      key: jax.Array, shape: tuple[int, ...], gammas,
+                      temperature: float = 1.0) -> jax.Array:
+  """Ancestral DDPM sampling: the denoising chain, written once.
+
+  Starts from ``x ~ N(0, I)`` of ``shape`` at ``gammas[0]`` (the noisiest
+  level) and takes ``len(gammas) - 1`` steps with :func:`ddpm_step`, step
+  ``i`` going from ``gammas[i]`` to ``gammas[i + 1]`` with the posterior mean
+  around ``denoise(x, gammas[i])``, an estimate of x0 of ``shape``. With
+  ``gammas[-1] == 1`` (as :func:`sampling_gamma_grid` gives) the last step
+  returns that estimate exactly. ``temperature`` scales the noise injected at
+  each step (not the initial noise); 0 gives the mean path.
+
+  Randomness: the initial noise from ``fold_in(key, T)``, step ``i``'s from
+  ``fold_in(key, i)``. A ``lax.fori_loop``: one compiled step whatever ``T`` is.
+  """
+  gammas = jnp.asarray(gammas, _F32)
+  num_steps = gammas.shape[0] - 1
+  x = jax.random.normal(jax.random.fold_in(key, num_steps), shape, _F32)
+
+  def step(i, x):
+    g_s, g_prev = gammas[i], gammas[i + 1]
+    return ddpm_step(jax.random.fold_in(key, i), x, denoise(x, g_s), g_s, g_prev,
+                     temperature)
+
+  return jax.lax.fori_loop(0, num_steps, step, x)
 
 
 # ----------------------------------------------------------------- sampling grid

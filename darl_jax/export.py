@@ -36,12 +36,12 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
 
 import ml_collections
 import numpy as np
 from etils import epath
 
+from darl_jax import ops
 from darl_jax.models import decoders as decoders_lib
 from darl_jax.models import posenc as posenc_lib
 from darl_jax.models import vit as vit_lib
@@ -115,7 +115,7 @@ def backbone_spec(config: dict) -> dict:
       "attention": {"mask": "causal" if vit.causal else "full",
                     "qkv_layout": "qkv_head_headdim", "scale": "1/sqrt(head_dim)",
                     "softmax_dtype": "float32"},
-      "block": "pre_layernorm", "layer_norm_eps": vit_lib.LN_EPS,
+      "block": "pre_layernorm", "layer_norm_eps": ops.LN_EPS,
       "mlp_activation": "gelu_exact", "final_norm": True,
       # A fine-tuning run's head.readout, else heads.Classifier's default and
       # the paper's: the last patch token.
@@ -166,7 +166,7 @@ def decoder_spec(config: dict, backbone: dict) -> dict:
       "kind": dec.kind, "depth": dec.depth, "width": dec.width,
       "num_heads": dec.num_heads, "mlp_ratio": DECODER_MLP_RATIO,
       "gamma_conditioning": dec.gamma_conditioning, "patch_dim": patch_dim,
-      "layer_norm_eps": vit_lib.LN_EPS, "mlp_activation": "gelu_exact",
+      "layer_norm_eps": ops.LN_EPS, "mlp_activation": "gelu_exact",
       "reference": "darl_jax/models/decoders.py PatchDecoder",
       "loss": loss.get("kind", "mse"), "predict": loss.get("predict", "x0"),
       "noise_a": loss.get("noise_a"), "noise_b": loss.get("noise_b"),

@@ -23,7 +23,7 @@ DARL adds the patch decoder over N = T predicted patches:
 
 (the transformer decoder's last block computes the output of the token it
 reads alone: ``readout_layer`` counts one query, the keys and values of
-both tokens, and one token's output projection and MLP; models/vit.ReadoutBlock)
+both tokens, and one token's output projection and MLP; the read-out mode of models/vit.Block)
 
 times ``noise_samples`` for everything that follows the backbone.
 """
@@ -45,7 +45,7 @@ def layer_flops(tokens: int, width: int, mlp_dim: int, *, causal: bool) -> float
 
 def readout_layer_flops(tokens: int, width: int, mlp_dim: int) -> float:
   """Forward FLOPs of one full-attention block that computes one token's
-  output (vit.ReadoutBlock): every token's key and value, that token's
+  output (vit.Block's read-out mode): every token's key and value, that token's
   query, its attention over ``tokens`` keys, output projection and MLP."""
   t, d, f = tokens, width, mlp_dim
   matmuls = 2 * d * d + 2 * t * d * 2 * d + 2 * d * d + 2 * 2 * d * f

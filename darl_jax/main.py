@@ -1,8 +1,10 @@
 """Entry point: ``python -m darl_jax.main --config=experiments/<name>.py --workdir=<dir>``.
 
-Picks the trainer named by ``config.trainer`` from an explicit registry,
-then hands it to the shared loop. Rerunning the same command on the same
-workdir resumes from the newest complete checkpoint.
+Runs the job named by ``config.trainer``: a trainer from the explicit registry
+``trainers()`` (its loss is its ``loss_fn``; pretraining's is
+darl_jax/objectives.py) handed to the shared loop, or the sampling job's own
+driver (train/sample.py). Rerunning the same command on the same workdir
+resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 
 def trainers():
-  """name -> Trainer class. Imported here so a typo fails before any work."""
+  """name -> Trainer class of the shared loop (train/loop.py); each class owns
+  its loss (``loss_fn``). Imported here so a typo fails before any work."""
   from darl_jax.train import pretrain
-  from darl_jax.train import sample
   from darl_jax.train import finetune, linear_probe, supervised
-  return {"pretrain": pretrain.PretrainTrainer, "sample": sample.SampleTrainer,
+  return {"pretrain": pretrain.PretrainTrainer,
           "finetune": finetune.FinetuneTrainer,
           "linear_probe": linear_probe.LinearProbeTrainer,
           "supervised": supervised.SupervisedTrainer}
@@ -35,8 +37,20 @@ def trainers():
 def get_trainer(name: str):
   registry = trainers()
   if name not in registry:
-    raise ValueError(f"unknown trainer {name!r}; valid: {', '.join(registry)}")
+    raise ValueError(f"unknown trainer {name!r}; valid: {', '.join([*registry, 'sample'])}")
   return registry[name]
+
+
+def get_job(name: str):
+  """``config.trainer`` -> ``run(config, workdir)``: sampling has a driver of
+  its own (train/sample.py, nothing to train); every other name is a Trainer
+  run by the shared loop."""
+  if name == "sample":
+    from darl_jax.train import sample
+    return sample.run
+  trainer_class = get_trainer(name)
+  from darl_jax.train import loop
+  return lambda config, workdir: loop.run(trainer_class(config), config, workdir)
 
 
 def _quiet_library_logs():
@@ -133,8 +147,7 @@ def main(argv):
   # so that the loop finishes that save and releases the workdir's lock.
   interrupts.install()
   try:
-    trainer = get_trainer(config.trainer)(config)
-    loop.run(trainer, config, _WORKDIR.value)
+    get_job(config.trainer)(config, _WORKDIR.value)
   except KeyboardInterrupt:
     _fail("interrupted; rerun the same command to resume from the last checkpoint", 130)
   except interrupts.Terminated:

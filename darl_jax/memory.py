@@ -28,9 +28,10 @@ width ``D``, MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of
         4 D:   block input, LN1 output, residual after attention, LN2 output
         4 D/t: rotated q and k, v, attention output (heads split over t)
         2 F/t: MLP hidden before and after the GELU
-    attention = (4 + a) * (H / t) * T^2   for attention_impl=xla (fp32 softmax
-                probabilities and their compute-dtype copy), 4 * (H / t) * T
-                for cudnn and hopper (flash kernels keep only the log-sum-exp)
+    attention = (4 + a) * (H / t) * T^2   for kernels.attention=xla (fp32
+                softmax probabilities and their compute-dtype copy; also
+                ``auto`` where it resolves to XLA's), 4 * (H / t) * T for
+                cudnn and hopper (flash kernels keep only the log-sum-exp)
     block (remat=save_dots) = a * T * (2 D + (3 D + F) / t + D)
         the block input, q/k/v, both Dense outputs of width D, fc1 output
     block (remat=full) = a * T * D  (the block input)
@@ -95,11 +96,13 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
-def pretrain_config(variant: str, objective: str = "diffusion", **model):
-  """The paper's ImageNet pretraining config for ``variant``, model keys overridden."""
+def pretrain_config(variant: str, objective: str = "diffusion", *, kernels=None, **model):
+  """The paper's ImageNet pretraining config for ``variant``, model keys
+  (and ``kernels``: ``config.kernels`` keys) overridden."""
   from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.imagenet_pretrain_config(variant, objective)
   config.model.update(model)
+  config.kernels.update(kernels or {})
   return config
 
 
@@ -126,8 +129,10 @@ def _shards(spec, mesh: dict[str, int]) -> int:
 
 def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
                            act_bytes: int, tensor: int, remat: str,
-                           attention_impl: str = "xla") -> float:
-  """Bytes one example keeps for the backward pass of one block (module docstring)."""
+                           attention: str = "xla") -> float:
+  """Bytes one example keeps for the backward pass of one block (module
+  docstring); ``attention``: the implementation that runs (``cudnn`` and
+  ``hopper`` keep no probabilities; anything else counts as XLA's)."""
   t, a, d, f = tensor, act_bytes, width, mlp_dim
   if remat == "full":
     return a * tokens * d
@@ -135,7 +140,7 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
     return a * tokens * (2 * d + (3 * d + f) / t + d)
   if remat != "none":
     raise ValueError(f"unknown remat {remat!r}; valid: {', '.join(REMATS)}")
-  if attention_impl in ("cudnn", "hopper"):   # flash kernels keep the log-sum-exp only
+  if attention in ("cudnn", "hopper"):   # flash kernels keep the log-sum-exp only
     attention = 4 * heads / t * tokens
   else:
     attention = (4 + a) * heads / t * tokens ** 2
@@ -144,8 +149,12 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
 
 def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
              params=None) -> Estimate:
-  """Per-device memory of pretraining ``config`` on ``mesh`` with rules ``sharding``."""
+  """Per-device memory of pretraining ``config`` on ``mesh`` with rules
+  ``sharding``. The attention's share follows ``config.kernels.attention``
+  as resolved on this backend (``ops.resolve``: ``auto`` is the Hopper
+  kernels on an H100 in bfloat16, else counted as XLA's)."""
   import jax  # pylint: disable=g-import-not-at-top
+  from darl_jax import ops  # pylint: disable=g-import-not-at-top
   from darl_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from darl_jax.models import vit as vit_lib  # pylint: disable=g-import-not-at-top
 
@@ -168,9 +177,10 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   heads = m.get("num_heads") or variant.num_heads
   mlp_dim = m.get("mlp_dim") or variant.mlp_dim
   tokens = (m.image_size // patch) ** 2          # [SOS, x_1 .. x_{N-1}]: N tokens
-  act_bytes = 2 if m.get("dtype", "float32") == "bfloat16" else 4
+  dtype = m.get("dtype", "float32")
+  act_bytes = 2 if dtype == "bfloat16" else 4
   kw = dict(act_bytes=act_bytes, tensor=mesh["tensor"],
-            attention_impl=m.get("attention_impl", "xla"))
+            attention=ops.resolve(config.get("kernels"), dtype).attention)
 
   dec = config.get("decoder", {})
   dec_blocks = 0
@@ -234,7 +244,9 @@ def main(argv=None) -> str:
   parser.add_argument("--image_size", type=int, default=224)
   parser.add_argument("--objective", default="diffusion", choices=("diffusion", "mse"))
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--attention_impl", default="xla", choices=("xla", "cudnn", "hopper"))
+  parser.add_argument("--attention", default="xla", choices=("xla", "cudnn", "hopper"),
+                      help="kernels.attention of the run (cudnn and hopper keep no "
+                           "attention probabilities)")
   parser.add_argument("--device_gib", type=float, default=None,
                       help="device memory; marks totals that fit in 85%% of it 'ok' "
                            "(after the measured 1.4x for remat none, 1.1x otherwise)")
@@ -243,12 +255,12 @@ def main(argv=None) -> str:
   estimates = []
   for variant in filter(None, args.variant.split(",")):
     config = pretrain_config(variant, args.objective, image_size=args.image_size,
-                             dtype=args.dtype, attention_impl=args.attention_impl)
+                             dtype=args.dtype, kernels={"attention": args.attention})
     estimates.append(estimate(config, mesh, args.sharding, args.batch_size))
   n = int(np.prod(list(mesh.values())))
   lines = [f"per-device GiB: batch {args.batch_size} ({estimates[0].per_device_batch} per "
            f"device), mesh {mesh} ({n} devices), sharding={args.sharding}, "
-           f"{args.image_size}px, {args.dtype} activations, attention={args.attention_impl}",
+           f"{args.image_size}px, {args.dtype} activations, attention={args.attention}",
            table(estimates, args.device_gib),
            "act:<remat> = activations with model.remat=<remat>; gather = FSDP all-gather "
            "buffer. Measured XLA peaks were up to 1.4x total:none and 1.0x total:full "

@@ -6,15 +6,15 @@
          (m = the leading run of known patches in the ordering)
       -> lax.scan over k = m .. N-1, S samples per image batched together:
            z_k   backbone output at sequence position k (it predicts x_k)
-           x_k   the given patch if it is known, else drawn from the decoder:
-                 diffusion: T ancestral DDPM steps (lax.fori_loop) from pure
-                 noise over the training schedule's gamma grid; mse: the
-                 decoder's prediction
+           x_k   the given patch if it is known, else drawn from the decoder
+                 (decode_patches): diffusion: T ancestral DDPM steps of
+                 diffusion.reverse_diffusion from pure noise over the training
+                 schedule's gamma grid; mse: the decoder's prediction
            feed x_k at position k + 1: one cached decoding step
       -> unorder + unpatchify                   completions [B, S, H, W, C]
 
-The backbone runs through :class:`darl_jax.models.vit.CachedViT`, the same
-parameters as training wired for one-token-at-a-time decoding; positions
+The backbone runs as ``vit.with_cache`` builds it: the same parameters as
+training, decoding one token at a time against a key/value cache; positions
 (RoPE index, grid row/col, additive encodings) follow the model's ordering
 exactly as in training: SOS at index 0 / (0, -1), ordered patch ``k`` at index
 ``k + 1`` and grid ``(rows[k], cols[k])``.
@@ -28,17 +28,19 @@ Randomness: patch ``k`` draws its noise from ``fold_in(key, k)`` (its initial
 noise and every step's noise), jointly over the ``B * S`` rows, so a run with
 the same key, batch shape and a longer known prefix reproduces the later
 patches of a shorter one given the same earlier patches.
+
+:func:`predict_patches` (teacher-forced predictions, pretraining's picture)
+runs the same :func:`decode_patches` on the training forward pass's features.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from darl_jax import diffusion
+from darl_jax import objectives
 from darl_jax import patches as patches_lib
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import vit as vit_lib
@@ -87,35 +89,53 @@ def leading_known(known_ordered: np.ndarray) -> int:
   return int(first.min())
 
 
-# ----------------------------------------------------------------- diffusion
+# ------------------------------------------------- patches from the decoder
 
 
-def reverse_diffusion(denoise: Callable[[jax.Array, jax.Array], jax.Array],
-                      key: jax.Array, shape: tuple[int, ...], gammas,
-                      temperature: float = 1.0) -> jax.Array:
-  """Ancestral DDPM sampling in the gamma parameterisation.
+def decode_patches(model: darl_lib.DARL, decoder_params, z: jax.Array, key: jax.Array, *,
+                   gammas=None, temperature: float = 1.0, clip: bool = False) -> jax.Array:
+  """One patch per row of ``z [M, D]``: float32 ``[M, P]``.
 
-  Starts from ``x ~ N(0, I)`` of ``shape`` at ``gammas[0]`` (the noisiest
-  level) and takes ``len(gammas) - 1`` steps with :func:`diffusion.ddpm_step`,
-  step ``i`` going from ``gammas[i]`` to ``gammas[i + 1]`` with the posterior
-  mean around ``denoise(x, gammas[i])``, an estimate of x0 of ``shape``. With
-  ``gammas[-1] == 1`` (as :func:`diffusion.sampling_gamma_grid` gives) the
-  last step returns that estimate exactly. ``temperature`` scales the noise
-  injected at each step (not the initial noise); 0 gives the mean path.
-
-  A ``lax.fori_loop``: one compiled step whatever ``T`` is.
+  MSE: the decoder's prediction. Diffusion: :func:`diffusion.reverse_diffusion`
+  over ``gammas`` (a sampling grid) from ``key``, the decoder's output read as
+  x0 or eps (``model.predict``). ``clip`` clips every x0 estimate (and MSE
+  predictions) to the data range [-1, 1], the usual DDPM choice.
   """
-  gammas = jnp.asarray(gammas, jnp.float32)
-  num_steps = gammas.shape[0] - 1
-  x = jax.random.normal(jax.random.fold_in(key, num_steps), shape, jnp.float32)
+  apply = lambda *a: model.decoder.apply({"params": decoder_params}, *a)
+  clip_fn = (lambda x: jnp.clip(x, -1.0, 1.0)) if clip else (lambda x: x)
+  if model.loss == "mse":
+    return clip_fn(apply(z))
 
-  def step(i, x):
-    g_s, g_prev = gammas[i], gammas[i + 1]
-    x0_hat = denoise(x, g_s)
-    return diffusion.ddpm_step(jax.random.fold_in(key, i), x, x0_hat, g_s, g_prev,
-                               temperature)
+  def denoise(x, gamma):
+    g = jnp.full((x.shape[0],), gamma, jnp.float32)
+    out = apply(z, x.astype(z.dtype), g)
+    return clip_fn(out if model.predict == "x0" else diffusion.x0_from_eps(x, out, g))
 
-  return jax.lax.fori_loop(0, num_steps, step, x)
+  return diffusion.reverse_diffusion(denoise, key, (z.shape[0], model.decoder.patch_dim),
+                                     gammas, temperature)
+
+
+def predict_patches(model: darl_lib.DARL, params, images, key: jax.Array, *,
+                    num_steps: int = 50, temperature: float = 1.0) -> jax.Array:
+  """Teacher-forced next-patch predictions in raster layout ``[B, H, W, C]``.
+
+  Every patch is predicted from the true patches before it in the model's
+  configured ordering (pretraining's prediction picture). Diffusion models run
+  the chain of :func:`decode_patches` with ``num_steps`` steps over the
+  training schedule's grid, for all patches at once: they are independent
+  given the teacher-forced context. Nothing is clipped.
+  """
+  grid_hw = (images.shape[1] // model.patch_size, images.shape[2] // model.patch_size)
+  order = model.make_ordering(grid_hw)
+  out = model.apply({"params": params}, images, train=False, perm=jnp.asarray(order.perm))
+  b, n, p = out["target"].shape
+  gammas = None
+  if model.loss == "diffusion":
+    gammas = diffusion.sampling_gamma_grid(num_steps, model.noise_a, model.noise_b)
+  pred = decode_patches(model, params["decoder"], out["z"].reshape(b * n, -1), key,
+                        gammas=gammas, temperature=temperature)
+  raster = patches_lib.unorder_tokens(pred.reshape(b, n, p), jnp.asarray(order.perm))
+  return patches_lib.unpatchify(raster, model.patch_size, grid_hw, images.shape[-1])
 
 
 # ----------------------------------------------------------------- the sampler
@@ -154,16 +174,14 @@ class Sampler:
     if getattr(model, "two_stream", False):
       raise ValueError("the KV-cached sampler runs plain causal backbones; two-stream "
                        "(model.two_stream) models are not supported")
-    if model.loss not in darl_lib.LOSSES:
-      raise ValueError(f"unknown loss {model.loss!r}; valid: {', '.join(darl_lib.LOSSES)}")
+    objectives.check_objective(model.loss, model.predict)
     if num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     self.model = model
     self.image_shape = (h, w, c)
     self.grid_hw = (h // p, w // p)
     self.num_patches = self.grid_hw[0] * self.grid_hw[1]
-    self.ordering = patches_lib.make_ordering(
-        model.ordering, *self.grid_hw, block=model.ordering_block, seed=model.ordering_seed)
+    self.ordering = model.make_ordering(self.grid_hw)
     self.num_samples = num_samples
     self.temperature = float(temperature)
     self.clip = clip
@@ -173,8 +191,7 @@ class Sampler:
     # N + 1 positions: SOS and all N patches. The last patch is fed too (its
     # features are never used), which keeps the scan body uniform; it costs
     # one backbone token of N + 1.
-    self.backbone = vit_lib.CachedViT.from_vit(model.backbone,
-                                               cache_len=self.num_patches + 1)
+    self.backbone = vit_lib.with_cache(model.backbone, cache_len=self.num_patches + 1)
     self._compiled = {}
 
   # ------------------------------------------------------------- pieces
@@ -204,25 +221,13 @@ class Sampler:
     out, variables = self.backbone.apply(
         {"params": backbone_params, "cache": cache},
         patch[:, None].astype(self.backbone.dtype), rows, cols, index, self.grid_hw,
-        mutable=["cache"])
+        prepend_sos=False, mutable=["cache"])
     return out["features"][:, 0], variables["cache"]
 
   def sample_patch(self, decoder_params, z: jax.Array, key: jax.Array) -> jax.Array:
     """One patch per row of ``z [M, D]``: ``[M, P]`` float32."""
-    model, decoder = self.model, self.model.decoder
-    apply = lambda *a: decoder.apply({"params": decoder_params}, *a)
-    clip = (lambda x: jnp.clip(x, -1.0, 1.0)) if self.clip else (lambda x: x)
-    if model.loss == "mse":
-      return clip(apply(z))
-
-    def denoise(x, gamma):
-      g = jnp.full((x.shape[0],), gamma, jnp.float32)
-      out = apply(z, x.astype(z.dtype), g)
-      x0 = out if model.predict == "x0" else diffusion.x0_from_eps(x, out, g)
-      return clip(x0)
-
-    return reverse_diffusion(denoise, key, (z.shape[0], decoder.patch_dim),
-                             self.gammas, self.temperature)
+    return decode_patches(self.model, decoder_params, z, key, gammas=self.gammas,
+                          temperature=self.temperature, clip=self.clip)
 
   def generate_tokens(self, params, tokens: jax.Array, known: jax.Array, key: jax.Array,
                       prefill_len: int) -> jax.Array:

@@ -53,6 +53,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from darl_jax import ops
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # The axes the batch is split over (batch_sharding; the Pallas kernels'
 # per-device split, kernels/per_shard.py).
@@ -213,14 +215,15 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(grid, MESH_AXES)
 
 
-# The model options that run our Pallas kernels, and the value that does not.
-KERNEL_OPTIONS = {"attention_impl": ("hopper",), "mlp_impl": ("hopper",),
-                  "norm_impl": ("triton",)}
+# The ``config.kernels`` choices that run our Pallas kernels (darl_jax/ops.py).
+KERNEL_CHOICES = {"attention": ("hopper",), "mlp": ("hopper",), "norm": ("triton",)}
 
 
-def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
-  """A warning for Pallas kernel options on a mesh with a ``tensor`` axis of
-  several devices, else None.
+def kernel_mesh_warning(config, mesh: Mesh) -> str | None:
+  """A warning for Pallas kernels on a mesh with a ``tensor`` axis of
+  several devices, else None. ``config``: the run's config; its
+  ``kernels`` section is resolved for this backend and ``model.dtype`` as
+  the loop resolves it (``ops.resolve``), so ``auto`` choices count too.
 
   On the batch axes (data, fsdp) each device runs the kernels on its own
   rows (kernels/per_shard.py). The kernels compute whole heads and whole MLP
@@ -228,17 +231,24 @@ def kernel_mesh_warning(model_cfg, mesh: Mesh) -> str | None:
   tensor device repeats its group's work: correct, but the tensor split
   buys nothing in those layers."""
   tensor = _axis_sizes(mesh).get("tensor", 1)
-  if model_cfg is None or tensor <= 1:
+  if config is None or tensor <= 1:
     return None
-  on = [f"model.{k}={model_cfg.get(k)}" for k, values in KERNEL_OPTIONS.items()
-        if model_cfg.get(k) in values]
+  asked = config.get("kernels") or {}
+  model = config.get("model") or {}
+  chosen = ops.resolve(asked, model.get("dtype", "float32"))
+  on = []
+  for op, values in KERNEL_CHOICES.items():
+    value = getattr(chosen, op)
+    if value in values:
+      auto = (asked.get(op, "auto") or "auto") == "auto"
+      on.append(f"kernels.{op}={value}" + (" (auto)" if auto else ""))
   if not on:
     return None
   return (f"{', '.join(on)} with mesh.tensor={tensor}: these Pallas "
           "kernels split over the batch axes (data, fsdp) only, so the tensor devices gather "
           "the layer's parameters and repeat the same work (correct, but slower than without "
-          "them). With tensor parallelism use model.attention_impl=cudnn, model.mlp_impl=xla "
-          "and model.norm_impl=xla, or put the devices on data / fsdp.")
+          "them). With tensor parallelism set kernels.attention=cudnn, kernels.mlp=xla "
+          "and kernels.norm=xla, or put the devices on data / fsdp.")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

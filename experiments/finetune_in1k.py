@@ -16,7 +16,7 @@ Recipe: full attention, last-token read-out, RandAug(9, 0.5) (host), mixup
 0.8 / cutmix 1.0 / label smoothing 0.1 (device), AdamW (0.9, 0.95), weight
 decay 0.05, layer-wise lr decay 0.75, batch 4096, cosine, 5 warm-up epochs;
 lr 1e-3 (H: 3e-3) as the peak rate; drop path B 0.0, L 0.0 (50 ep) / 0.1
-(90 ep), H 0.2. On GPUs the default attention_impl=auto runs cuDNN's fused
+(90 ep), H 0.2. On GPUs the default kernels.attention=auto runs cuDNN's fused
 kernel where it takes the shape.
 
 Expect (paper's fine-tuning table, 800 pretraining epochs, 90 fine-tuning

@@ -2,7 +2,7 @@
 
 Run (TPU pod or GPU cluster; ImageNet prepared for TFDS, see README):
   python -m darl_jax.main --config=experiments/vit_l16_mse.py --workdir=gs://<bucket>/darl_vit_l16_mse
-On GPUs the defaults (model.*_impl=auto) pick the fused kernels (README, GPUs).
+On GPUs the defaults (kernels.*=auto) pick the fused kernels (README, GPUs).
 A quick smoke run of the same config: --config.total_steps=10 --config.batch_size=64
 
 Recipe (appendix "ImageNet Pre-training Hyperparams"): 224x224, 2D RoPE,

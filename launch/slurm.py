@@ -2,7 +2,7 @@
 
     python launch/slurm.py --nodes=4 --gpus_per_node=8 --partition=gpu \\
         --config=experiments/vit_l16_diff.py --workdir=/shared/runs/l16 \\
-        -- --config.model.attention_impl=cudnn
+        -- --config.kernels.attention=cudnn
 
 ``srun`` starts one process per GPU (``--processes=per_gpu``, the default) or
 one per node that drives all its GPUs (``--processes=per_node``). Each process

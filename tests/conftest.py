@@ -21,3 +21,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # init compiles in half the time (15.8 s against 32.8 s for test_models'
 # option cases). Subprocesses that set their own XLA_FLAGS append to these.
 os.environ["XLA_FLAGS"] = with_xla_flag("--xla_backend_optimization_level=0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choice_per_test():
+  """The ops' implementation choice is process-wide (ops.configure, set by
+  the loop's setup): each test starts from, and leaves, the default."""
+  from darl_jax import ops
+  with ops.using(attention="xla", mlp="xla", norm="xla"):
+    yield

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from darl_jax import config_lib
+from darl_jax import config_lib, ops
 from darl_jax.kernels import hopper_attention as ha
 from darl_jax.models import attention, posenc, vit
 
@@ -364,7 +364,7 @@ def test_tile_masks_are_the_block_diagonal_causal_mask(seg):
 
 def test_shapes_the_kernels_cannot_take_name_the_fix():
   q = jnp.zeros((3, 80, 2, 64), jnp.bfloat16)    # 240 rows: not whole tiles
-  with pytest.raises(ValueError, match="batch x tokens = 240 .*attention_impl='cudnn'"):
+  with pytest.raises(ValueError, match="batch x tokens = 240 .*kernels.attention='cudnn'"):
     ha.check_shapes(q, q, q)
   f32 = jnp.zeros((4, 80, 2, 64), jnp.float32)
   with pytest.raises(ValueError, match="bfloat16"):
@@ -435,25 +435,25 @@ def test_attention_kernels_lower_for_hopper_at_model_sizes(model):
     assert text.count("mosaic_gpu") >= 4 and whole not in text
 
 
-def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
-  """model.attention_impl='hopper' in the attention module: same output and
-  gradients as the xla path (bf16), and non-causal attention, which the
-  kernels do not do, takes the plain path."""
+def test_hopper_attention_is_the_same_attention(monkeypatch):
+  """kernels.attention='hopper' in the attention module (ops.self_attention):
+  same output and gradients as XLA's path (bf16), and non-causal attention,
+  which the kernels do not do, takes the plain path."""
   x = jax.random.normal(jax.random.key(3), (2, 64, 128)).astype(jnp.bfloat16)
 
   shared = tuple(t[None] for t in _rope_tables(jax.random.key(6), 64, 64))
   per_image = tuple(jnp.broadcast_to(t, (2,) + t.shape[1:]) for t in shared)
 
-  def run(impl, causal=True, rope=None):
-    mod = attention.MultiHeadAttention(2, causal=causal, impl=impl, dtype=jnp.bfloat16)
-    # the xla module's init: the same parameters, without running the kernels
-    params = mod.clone(impl="xla").init(jax.random.key(4), x)
+  def run(choice, causal=True, rope=None):
+    mod = attention.Attention(2, causal=causal, dtype=jnp.bfloat16)
+    params = mod.init(jax.random.key(4), x)   # XLA's (the tests' default): no kernels run
     calls.clear()
 
     def f(p, x):
       y = mod.apply(p, x, rope).astype(jnp.float32)
       return jnp.sum(y * jnp.sin(y)), y
-    (_, y), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
+    with ops.using(attention=choice):
+      (_, y), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
     return y, g
 
   calls = []      # which kernel entry point the model's forward called
@@ -466,41 +466,48 @@ def test_attention_impl_hopper_is_the_same_attention(monkeypatch):
   for rope, path in ((None, "causal_attention_qkv"), (shared, "causal_attention_projected"),
                      (per_image, "causal_attention")):
     y_x, g_x = run("xla", rope=rope)
+    assert not calls
     y_h, g_h = run("hopper", rope=rope)
     assert set(calls) == {path}, (calls, path)
     assert _rel(y_h, y_x) < 1e-2
     for a, b in zip(jax.tree.leaves(g_h), jax.tree.leaves(g_x)):
       assert _rel(a, b) < 3e-2
   np.testing.assert_array_equal(run("hopper", causal=False)[0], run("xla", causal=False)[0])
+  assert not calls
 
 
 def test_head_dim_80_takes_xlas_product_then_the_packed_kernels(monkeypatch):
-  """ViT-H/14's head dim 80 is not one epilogue sub-tile: the model projects
-  with XLA's product and calls causal_attention_qkv (same parameters, same
-  output as the xla path)."""
+  """ViT-H/14's head dim 80 is not one epilogue sub-tile: ops.self_attention
+  projects with XLA's product and calls causal_attention_qkv (same
+  parameters, same output as XLA's path)."""
   x = jax.random.normal(jax.random.key(0), (2, 64, 160)).astype(jnp.bfloat16)
   rope = tuple(t[None] for t in _rope_tables(jax.random.key(1), 64, 80))
   calls = []
   for name in ("causal_attention_qkv", "causal_attention_projected"):
     monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
                         calls.append(_n) or _f(*a, **kw))
+  mod = attention.Attention(2, dtype=jnp.bfloat16)
+  params = mod.init(jax.random.key(2), x, rope)
+  assert params["params"]["qkv"]["kernel"].shape == (160, 3, 2, 80)
   outs = {}
-  for impl in ("hopper", "xla"):
-    mod = attention.MultiHeadAttention(2, impl=impl, dtype=jnp.bfloat16)
-    params = mod.init(jax.random.key(2), x, rope)
-    assert params["params"]["qkv"]["kernel"].shape == (160, 3, 2, 80)
-    outs[impl] = mod.apply(params, x, rope)
-  assert set(calls) == {"causal_attention_qkv"}
+  for choice in ("hopper", "xla"):
+    with ops.using(attention=choice):
+      outs[choice] = mod.apply(params, x, rope)
+  assert calls == ["causal_attention_qkv"]
   assert _rel(outs["hopper"], outs["xla"]) < 1e-2
 
 
-def test_vit_from_config_takes_attention_impl_hopper():
+def test_config_takes_kernels_attention_hopper():
   config = config_lib.imagenet_pretrain_config("L/16", "mse")
-  config.model.attention_impl = "hopper"
-  assert vit.vit_from_config(config.model)[0].attention_impl == "hopper"
-  config.model.attention_impl = "flash"
+  config.kernels.attention = "hopper"
+  config_lib.validate(config)
+  assert ops.resolve(config.kernels, config.model.dtype).attention == "hopper"
+  config.kernels.attention = "flash"
+  with pytest.raises(config_lib.ConfigError, match="kernels.attention must be one of auto, xla, cudnn, "
+                                                   "hopper, got 'flash'"):
+    config_lib.validate(config)
   with pytest.raises(ValueError, match="valid: auto, xla, cudnn, hopper"):
-    vit.vit_from_config(config.model)
+    ops.resolve(config.kernels)
 
 
 def test_attention_kernel_bench_parses_shapes():
@@ -515,22 +522,43 @@ def test_attention_kernel_bench_parses_shapes():
     attention_kernel_bench.parse_shape("G/14:64")
 
 
-def test_hopper_options_on_other_devices_name_the_fix(monkeypatch):
-  """attention_impl / mlp_impl = 'hopper' on a TPU or a non-Hopper GPU."""
+def test_kernel_options_on_other_devices_name_the_fix(monkeypatch):
+  """kernels.attention / mlp = 'hopper' and kernels.norm = 'triton' on a TPU
+  or a non-Hopper GPU: errors that name the setting to use instead."""
   from types import SimpleNamespace
-  from darl_jax.kernels import mosaic
   q = _qkv(jax.random.key(0))[0]
+  x = jnp.zeros((2, 64, 128), jnp.bfloat16)
+  kernel, bias = jnp.zeros((128, 3, 2, 64)), jnp.zeros((3, 2, 64))
+  w1, b1, w2, b2 = jnp.zeros((128, 256)), jnp.zeros((256,)), jnp.zeros((256, 128)), jnp.zeros(128)
+  self_attention = lambda: ops.self_attention(x, kernel, bias, None, causal=True,  # noqa: E731
+                                              dtype=jnp.bfloat16)
+  mlp = lambda: ops.mlp(x, w1, b1, w2, b2, dtype=jnp.bfloat16)  # noqa: E731
   tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5p")
   monkeypatch.setattr(jax, "devices", lambda *a: [tpu])
-  with pytest.raises(ValueError, match="not tpu; use model.attention_impl='xla'"):
-    attention._hopper_attention_fits(q, q, q)
+  with ops.using(attention="hopper", mlp="hopper", norm="triton"):
+    with pytest.raises(ValueError, match="not tpu; use kernels.attention='xla'"):
+      ops.attention(q, q, q, causal=True)
+    with pytest.raises(ValueError, match="not tpu; use kernels.attention='xla'"):
+      self_attention()
+    with pytest.raises(ValueError, match="kernels.mlp='hopper' is for NVIDIA Hopper GPUs, not "
+                                         "tpu; use kernels.mlp='xla'"):
+      mlp()
+    with pytest.raises(ValueError, match="kernels.norm='triton' runs on NVIDIA GPUs, not tpu; "
+                                         "use kernels.norm='xla'"):
+      ops.layer_norm(x, w2[0], w2[0], dtype=jnp.bfloat16)
   blackwell = SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", compute_capability="10.0")
   monkeypatch.setattr(jax, "devices", lambda *a: [blackwell])
-  with pytest.raises(ValueError,
-                     match="needs a Hopper GPU .* NVIDIA B200; use model.attention_impl='cudnn'"):
-    attention._hopper_attention_fits(q, q, q)
-  with pytest.raises(ValueError, match="model.mlp_impl='hopper' needs a Hopper GPU"):
-    mosaic.require_hopper("model.mlp_impl='hopper'", "model.mlp_impl='xla'", "model.mlp_impl='xla'")
+  with ops.using(attention="hopper", mlp="hopper"):
+    with pytest.raises(ValueError, match="needs a Hopper GPU .* NVIDIA B200; use "
+                                         "kernels.attention='cudnn'"):
+      ops.attention(q, q, q, causal=True)
+    with pytest.raises(ValueError, match="needs a Hopper GPU .* NVIDIA B200; use "
+                                         "kernels.attention='cudnn'"):
+      self_attention()
+    with pytest.raises(ValueError, match="kernels.mlp='hopper' needs a Hopper GPU .* NVIDIA "
+                                         "B200; use kernels.mlp='xla'"):
+      mlp()
   hopper = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
   monkeypatch.setattr(jax, "devices", lambda *a: [hopper])
-  assert attention._hopper_attention_fits(q, q, q)
+  assert ops._hopper_attention_fits(q, q, q)
+  assert ops._hopper_mlp_fits(x, 256, jnp.bfloat16)

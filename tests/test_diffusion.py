@@ -1,4 +1,4 @@
-"""Tests for darl_jax/diffusion.py.
+"""Tests for darl_jax/diffusion.py and the objectives built on it (darl_jax/objectives.py).
 
 Monte Carlo checks use fixed seeds and tolerances of 5 standard errors (stated
 at each check), so they are deterministic and still catch wrong formulas,
@@ -14,6 +14,7 @@ import pytest
 import scipy.special
 
 from darl_jax import diffusion as D
+from darl_jax import objectives
 
 # One sample shape shared by every test: Beta sampling is slow to compile
 # (D.sample_gamma is jitted with the shape static).
@@ -279,3 +280,63 @@ def test_sample_gamma_bimodal_within_bounds():
   g = np.asarray(D.sample_gamma(jax.random.key(9), (N_GAMMA,), 0.03, 0.03))  # mass at both ends
   assert g.dtype == np.float32 and np.all(np.isfinite(g))
   assert g.min() == GMIN and g.max() == GMAX  # both clips are hit
+
+
+# ------------------------------------------------------------- the objectives
+
+
+def _oracle(target, k, predict):
+  """A decoder that knows the answer: x0 (or eps, from x_noisy and gamma) of
+  each of its rows, which are (example, patch, draw) in row-major order."""
+  def decode(z, x_noisy, gamma):
+    x0 = jnp.repeat(target.reshape(-1, target.shape[-1]), k, axis=0)
+    return x0 if predict == "x0" else D.eps_from_x0(x_noisy, x0, gamma)
+  return decode
+
+
+@pytest.mark.parametrize("predict", ["x0", "eps"])
+def test_diffusion_loss_is_zero_for_the_exact_prediction_and_bins_by_gamma(predict):
+  bsz, n, k, p = 2, 3, 4, 5
+  target = jax.random.normal(jax.random.PRNGKey(0), (bsz, n, p))
+  z = jnp.zeros((bsz, n, 7))
+  gamma, eps = objectives.draw_noise(jax.random.PRNGKey(1), target.shape, k, 1.0, 1.0)
+  assert gamma.shape == (bsz, n, k) and eps.shape == (bsz, n, k, p)
+  loss, metrics = objectives.diffusion_loss(_oracle(target, k, predict), z, target, gamma, eps,
+                                            predict=predict, gamma_bins=4)
+  assert float(loss) < 1e-6 and metrics["per_example_loss"].shape == (bsz,)
+  # A decoder that predicts 0: the loss is the mean square of the goal, and
+  # each gamma bin averages the draws whose gamma falls in it.
+  zero = lambda z, x, g: jnp.zeros_like(x)
+  loss, metrics = objectives.diffusion_loss(zero, z, target, gamma, eps, predict=predict,
+                                            gamma_bins=4)
+  goal = jnp.broadcast_to(target[:, :, None], eps.shape) if predict == "x0" else eps
+  err = np.asarray(jnp.mean(goal ** 2, -1))
+  np.testing.assert_allclose(float(loss), err.mean(), rtol=1e-6)
+  np.testing.assert_allclose(metrics["per_example_loss"], err.reshape(bsz, -1).mean(1),
+                             rtol=1e-6)
+  bins = np.minimum((np.asarray(gamma) * 4).astype(int), 3)
+  for i in range(4):
+    got = float(metrics[f"loss_gamma_bin_{i:02d}"])
+    if (bins == i).any():
+      np.testing.assert_allclose(got, err[bins == i].mean(), rtol=1e-5)
+    else:
+      assert np.isnan(got)
+
+
+def test_eval_noise_scores_every_patch_at_every_grid_level():
+  grid = D.eval_gamma_grid(3)
+  gamma, eps = objectives.eval_noise(jax.random.PRNGKey(0), (2, 4, 5), grid)
+  assert gamma.shape == (2, 4, 3) and eps.shape == (2, 4, 3, 5)
+  np.testing.assert_array_equal(gamma[1, 2], grid)
+
+
+def test_mse_loss_and_norm_pix_targets():
+  pred, target = jnp.zeros((2, 3, 4)), jnp.arange(24.0).reshape(2, 3, 4)
+  loss, metrics = objectives.mse_loss(pred, target)
+  np.testing.assert_allclose(float(loss), float(jnp.mean(target ** 2)))
+  np.testing.assert_allclose(metrics["per_example_loss"],
+                             jnp.mean(target.reshape(2, -1) ** 2, 1))
+  t = objectives.patch_targets(target, norm_pix=True)
+  np.testing.assert_allclose(t.mean(-1), 0.0, atol=1e-6)
+  np.testing.assert_allclose(t.std(-1), 1.0, atol=1e-5)
+  assert objectives.patch_targets(target, norm_pix=False) is target

@@ -216,7 +216,7 @@ def test_forward_tokens_matches_pretraining_encoder_with_an_ordering(tmp_path):
   cfg = ml_collections.ConfigDict({
       "seed": 0,
       "model": dict(model_config(ordering="nested_raster", ordering_block=2)["model"],
-                    dtype="float32", attention_impl="xla", drop_path=0.0, remat="none"),
+                    dtype="float32", drop_path=0.0, remat="none"),
       "decoder": dict(kind="linear", depth=1, width=0, num_heads=0, gamma_conditioning=False),
       "loss": dict(kind="mse", norm_pix=True),
   })

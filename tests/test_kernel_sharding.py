@@ -1,10 +1,10 @@
 """The Pallas kernels on a mesh of several devices (kernels/per_shard.py).
 
-Property: a tiny ViT with kernel options gives the same loss and parameter
-gradients on a 2-device batch split (a data and an FSDP mesh), traced as the
-training loop traces its step (loop.on_mesh), as one device running each
-half of the batch; and there every kernel of all three options runs under
-``shard_map`` on one device's rows. In a subprocess with 2 fake CPU devices,
+Property: a tiny ViT under kernel choices (``ops.using``) gives the same
+loss and parameter gradients on a 2-device batch split (a data and an FSDP
+mesh), traced as the training loop traces its step (loop.on_mesh), as one
+device running each half of the batch; and there every kernel of all three
+choices runs under ``shard_map`` on one device's rows. In a subprocess with 2 fake CPU devices,
 where the norm kernels run (Pallas's interpreter; Mosaic GPU's does not run
 two devices at once); ``python tests/test_kernel_sharding.py all`` on a
 2-GPU machine runs all three.
@@ -47,13 +47,13 @@ def test_local_shapes_on_an_abstract_mesh():
     assert per_shard.local(jnp.zeros((8, 7))) is None   # 8 rows do not split 6 ways
 
 
-ALL_KERNELS = dict(attention_impl="hopper", mlp_impl="hopper", norm_impl="triton")
+ALL_KERNELS = dict(attention="hopper", mlp="hopper", norm="triton")
 
 
-def _model(**options):
+def _model():
   from darl_jax.models import vit
   # 64 tokens (SOS + 63 patches) an image; MLP 64 -> 256 -> 64; head dim 64
-  return vit.ViT(64, 1, 1, 256, reference_grid=(8, 8), dtype=jnp.bfloat16, **options)
+  return vit.ViT(64, 1, 1, 256, reference_grid=(8, 8), dtype=jnp.bfloat16)
 
 
 def _inputs(batch: int):
@@ -74,9 +74,9 @@ def _loss_and_grads(model, params, patches, rows, cols, ids):
 
 def _subprocess_main(run_options: dict):
   """Checks in a process of 2 devices, on a data and on an fsdp mesh:
-  ``run_options``' kernels run on the mesh and give the loss and gradients
-  of one device; every kernel option's calls are shard_maps (traced, not
-  run)."""
+  ``run_options``' kernels (``ops.using`` arguments) run on the mesh and
+  give the loss and gradients of one device; every kernel choice's calls
+  are shard_maps (traced, not run)."""
   from darl_jax import sharding as sharding_lib
   assert jax.device_count() == 2
   args = _inputs(4)   # 2 images (128 rows) a device: every kernel's tiles fit
@@ -110,6 +110,7 @@ def _check_arguments(mesh):
 
 
 def _check_mesh(mesh, params, args, run_options):
+  from darl_jax import ops
   from darl_jax import sharding as sharding_lib
   from darl_jax.train import loop
   batch = sharding_lib.batch_sharding(mesh)
@@ -121,22 +122,26 @@ def _check_mesh(mesh, params, args, run_options):
   def step_of(model):
     return loop.on_mesh(lambda p, *a: _loss_and_grads(model, p, *a), mesh)
 
-  # Every kernel call of the step is one device's: with all three options, a
-  # shard_map for the attention, the MLP and the three norms (two in the
-  # block, the final one), each once forward and once backward (its
-  # transpose), and none without the options.
-  assert "shard_map[" not in str(jax.make_jaxpr(step_of(_model()))(params, *placed))
-  maps = str(jax.make_jaxpr(step_of(_model(**ALL_KERNELS)))(params, *placed)).count("shard_map[")
+  # Every kernel call of the step is one device's: with all three choices, a
+  # shard_map for the attention, the MLP and the three norms (the fused
+  # stack's two in the block, the final one), each once forward and once
+  # backward (its transpose), and none under XLA's ops.
+  with ops.using(attention="xla", mlp="xla", norm="xla"):
+    assert "shard_map[" not in str(jax.make_jaxpr(step_of(_model()))(params, *placed))
+  with ops.using(**ALL_KERNELS):
+    maps = str(jax.make_jaxpr(step_of(_model()))(params, *placed)).count("shard_map[")
   assert maps == 10, maps
 
-  model = _model(**run_options)
+  model = _model()
   start = time.perf_counter()
-  # One device, each device's half of the batch in turn: the kernels see the
-  # same rows as on the mesh, and the mean loss is the mean of the halves'.
-  per_half = jax.jit(lambda p, *a: _loss_and_grads(model, p, *a))
-  halves = [per_half(params, *(a[i:i + 2] for a in args)) for i in (0, 2)]
-  one = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
-  two = jax.jit(step_of(model))(params, *placed)
+  with ops.using(**run_options):   # traced (and run) under the choice
+    # One device, each device's half of the batch in turn: the kernels see
+    # the same rows as on the mesh, and the mean loss is the mean of the
+    # halves'.
+    per_half = jax.jit(lambda p, *a: _loss_and_grads(model, p, *a))
+    halves = [per_half(params, *(a[i:i + 2] for a in args)) for i in (0, 2)]
+    one = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
+    two = jax.jit(step_of(model))(params, *placed)
   loss_1, loss_2 = float(one[0]), float(two[0])
   assert abs(loss_1 - loss_2) <= 1e-4 * abs(loss_1), (loss_1, loss_2)
   # bf16 activations and gradients: a bias's gradient sums a bf16 gradient
@@ -168,4 +173,4 @@ if __name__ == "__main__":
   # interpreter does not run on two devices at once (its simulated barriers
   # are shared between them), so the attention and MLP kernels are run on a
   # 2-GPU machine: ``python tests/test_kernel_sharding.py all``.
-  _subprocess_main(ALL_KERNELS if sys.argv[1:] == ["all"] else {"norm_impl": "triton"})
+  _subprocess_main(ALL_KERNELS if sys.argv[1:] == ["all"] else {"norm": "triton"})

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from darl_jax import ops
 from darl_jax.kernels import hopper_gemm
 from darl_jax.kernels import hopper_mlp as hm
-from darl_jax.models import vit
+from darl_jax.models import layers, vit
 
 # 64 x 128 CTA tiles: the test shapes below give each of the interpreter's two
 # CTAs 8 tiles, so the persistent loop, the reuse of the output buffers and the
@@ -21,8 +22,8 @@ M, K, N = 512, 128, 256
 
 
 def _gelu_grad(x):
-  """The model's GELU derivative (gelu_exact's custom gradient), elementwise."""
-  return jax.grad(lambda v: jnp.sum(vit.gelu_exact(v)))(x)
+  """The model's GELU derivative (ops.gelu's custom gradient), elementwise."""
+  return jax.grad(lambda v: jnp.sum(ops.gelu(v)))(x)
 
 
 def _rand(key, shape, scale=1.0, dtype=jnp.float32):
@@ -31,7 +32,7 @@ def _rand(key, shape, scale=1.0, dtype=jnp.float32):
 
 def test_kernel_gelu_is_the_exact_gelu():
   x = jnp.linspace(-12.0, 12.0, 100_001, dtype=jnp.float32)
-  np.testing.assert_allclose(hm.kernel_gelu(x), vit.gelu_exact(x), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(hm.kernel_gelu(x), ops.gelu(x), rtol=0, atol=2e-6)
   np.testing.assert_allclose(hm.kernel_gelu_grad(x), _gelu_grad(x), rtol=0, atol=2e-6)
   # Far in the negative tail the kernel form keeps a relative accuracy (no
   # 1 + erf cancellation), the approximation's own 1% there: Phi(-8) = 6.2e-16.
@@ -49,7 +50,7 @@ def test_dense_gelu_matches_xla():
   # The kernel takes the GELU of the float32 pre-activation (not rounded to
   # bf16 first, as the XLA MLP's fc1 output is).
   h = x.astype(jnp.float32) @ w.astype(jnp.float32) + b
-  for got, want in ((g, vit.gelu_exact(h)), (dg, _gelu_grad(h))):
+  for got, want in ((g, ops.gelu(h)), (dg, _gelu_grad(h))):
     got, want = np.asarray(got, np.float32), np.asarray(want)
     # Every element compared, so an unwritten tile fails: one bf16 rounding
     # of the result (2^-9 relative), plus the summation order's and the
@@ -126,7 +127,7 @@ def test_gemm_row_tables_and_pieces():
 
 def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
   """Against float32 arithmetic on the same bf16-rounded inputs, the kernel
-  MLP's outputs and gradients are as close as models.vit.Mlp's in bf16 (its
+  MLP's outputs and gradients are as close as the model's XLA MLP's in bf16 (its
   bias gradients closer: they are summed in float32)."""
   ks = jax.random.split(jax.random.key(2), 6)
   d, f = K, N
@@ -137,7 +138,8 @@ def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
   kernels = hm.MlpKernels(SMALL, SMALL)
 
   def mlp_plain(p, x):
-    return vit.Mlp(f, dtype=jnp.bfloat16).apply({"params": p}, x)
+    with ops.using(mlp="xla"):
+      return layers.Mlp(f, jnp.bfloat16).apply({"params": p}, x)
 
   def mlp_kernels(p, x):
     return hm.mlp(x, p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"],
@@ -146,7 +148,7 @@ def test_mlp_gradients_are_at_least_as_accurate_as_the_plain_bf16_mlp():
   def mlp_f32(p, x):
     r = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     h = x.astype(jnp.float32) @ r(p["fc1"]["kernel"]) + r(p["fc1"]["bias"])
-    return vit.gelu_exact(h) @ r(p["fc2"]["kernel"]) + r(p["fc2"]["bias"])
+    return ops.gelu(h) @ r(p["fc2"]["kernel"]) + r(p["fc2"]["bias"])
 
   def rel(a, b):
     b = b.astype(jnp.float32)
@@ -222,33 +224,40 @@ def perturbed(params, scale: float = 0.1):
                                    for p, k in zip(leaves, keys)])
 
 
-def _tiny_vit(mlp_impl, dtype=jnp.bfloat16, depth=2):
+def _tiny_vit(dtype=jnp.bfloat16, depth=2):
   # 2 images x 64 tokens (SOS + 63 patches) = 128 rows; MLP 64 -> 256 -> 64.
-  return vit.ViT(64, depth, 2, 256, reference_grid=(8, 8), dtype=dtype, mlp_impl=mlp_impl)
+  return vit.ViT(64, depth, 2, 256, reference_grid=(8, 8), dtype=dtype)
 
 
-def test_vit_with_hopper_mlp_matches_the_xla_mlp():
-  """model.mlp_impl='hopper' is the same model: same parameter tree, and the
-  features and parameter gradients agree to bf16 rounding. One block: the
-  kernels' interpreter is the test's cost, and each block runs the same code
-  (the gradient still flows from the MLP into the attention and embedding)."""
+def test_vit_with_hopper_mlp_matches_the_xla_mlp(monkeypatch):
+  """kernels.mlp='hopper' is the same model: the same parameter tree, and
+  the features and parameter gradients agree to bf16 rounding. One block:
+  the kernels' interpreter is the test's cost, and each block runs the same
+  code (the gradient still flows from the MLP into the attention and
+  embedding)."""
   args = vit_inputs(2, 8)
-  params = _tiny_vit("xla", depth=1).init(jax.random.key(1), *args)["params"]
+  model = _tiny_vit(depth=1)
+  params = model.init(jax.random.key(1), *args)["params"]
   # eval_shape: the structure without running the (interpreted) kernels
-  assert (jax.tree.structure(jax.eval_shape(
-      lambda: _tiny_vit("hopper", depth=1).init(jax.random.key(1), *args)["params"]))
-          == jax.tree.structure(params))
+  with ops.using(mlp="hopper"):
+    assert (jax.tree.structure(jax.eval_shape(
+        lambda: model.init(jax.random.key(1), *args)["params"]))
+            == jax.tree.structure(params))
   params = perturbed(params)   # non-zero biases, so a lost bias shows
 
-  def loss(impl):
+  def loss(mlp):
     def f(p):
-      feats = _tiny_vit(impl, depth=1).apply({"params": p}, *args)["features"].astype(
-          jnp.float32)
+      feats = model.apply({"params": p}, *args)["features"].astype(jnp.float32)
       return jnp.mean(feats * jnp.sin(feats)), feats
-    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    with ops.using(mlp=mlp):
+      return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
+  calls = []
+  monkeypatch.setattr(hm, "mlp", lambda *a, _f=hm.mlp: calls.append(1) or _f(*a))
   (_, f_x), g_x = loss("xla")
+  assert not calls
   (_, f_h), g_h = loss("hopper")
+  assert calls   # the kernels ran
   assert f_h.shape == (2, 64, 64)
   np.testing.assert_allclose(f_h, f_x, atol=0.1, rtol=0.05)
   assert float(jnp.linalg.norm(f_h - f_x) / jnp.linalg.norm(f_x)) < 1e-2
@@ -257,20 +266,26 @@ def test_vit_with_hopper_mlp_matches_the_xla_mlp():
     assert err < 5e-2, (jax.tree_util.keystr(path), err)
 
 
-def test_hopper_mlp_errors_name_the_fix_and_untiled_shapes_fall_back():
-  with pytest.raises(ValueError, match="unknown MLP implementation 'fast'; valid: xla, hopper"):
-    vit.check_mlp_impl("fast")
+def test_hopper_mlp_errors_name_the_fix_and_untiled_shapes_fall_back(monkeypatch):
+  with pytest.raises(ValueError, match="unknown kernels.mlp 'fast'; valid: auto, xla, hopper"):
+    with ops.using(mlp="fast"):
+      pass
   rows, cols = jnp.divmod(jnp.arange(64), 8)
   args = (jnp.zeros((2, 63, 12)), rows[None, :63], cols[None, :63], jnp.arange(1, 64)[None],
           (8, 8))
-  with pytest.raises(ValueError, match="model.dtype='bfloat16'"):
-    _tiny_vit("hopper", jnp.float32).init(jax.random.key(0), *args)
+  with ops.using(mlp="hopper"), pytest.raises(
+      ValueError, match="kernels.mlp='hopper' runs in bfloat16; set model.dtype='bfloat16' "
+                        "or kernels.mlp='xla'"):
+    _tiny_vit(jnp.float32).init(jax.random.key(0), *args)
   # 1 x 64 rows do not tile: the XLA MLP runs instead (parameter init on one
   # example, a partial last batch), with the same result.
   one = (jax.random.normal(jax.random.key(3), (1, 63, 12)),) + args[1:]
-  params = _tiny_vit("xla").init(jax.random.key(0), *one)["params"]
-  np.testing.assert_array_equal(_tiny_vit("hopper").apply({"params": params}, *one)["features"],
-                                _tiny_vit("xla").apply({"params": params}, *one)["features"])
+  params = _tiny_vit().init(jax.random.key(0), *one)["params"]
+  want = _tiny_vit().apply({"params": params}, *one)["features"]
+  monkeypatch.setattr(hm, "mlp", lambda *a: pytest.fail("the kernels ran on 64 rows"))
+  with ops.using(mlp="hopper"):
+    got = _tiny_vit().apply({"params": params}, *one)["features"]
+  np.testing.assert_array_equal(got, want)
 
 
 def test_mlp_kernel_bench_parses_tilings():
@@ -320,27 +335,36 @@ def test_kernel_trace_summary_counts_overlap_and_idle_time(tmp_path):
                      "the time")
 
 
-def test_hopper_mlp_defers_fc2s_bias():
-  """``Mlp(impl='hopper', defer_bias=True)`` runs ``hopper_mlp.mlp`` with
-  ``b2=None`` and hands fc2's bias on apart: product + bias is the MLP's
-  output, and the gradients are the same (fc2's bias gradient to bf16
-  rounding: here it goes through branch_value's cast of the bias to bf16;
-  in the model the norm kernel's float32 sum reaches it)."""
+def test_hopper_mlp_product_without_fc2s_bias_plus_the_bias_is_the_mlp(monkeypatch):
+  """``ops.mlp_product`` without fc2's bias (the fused stack's call: the
+  bias is added in the next norm's kernel) runs ``hopper_mlp.mlp`` with
+  ``b2=None``: product + bias is ``ops.mlp``'s output, and the gradients are
+  the same (fc2's bias gradient to bf16 rounding: here it goes through a
+  cast of the bias to bf16; in the model the norm kernel's float32 sum
+  reaches it)."""
   x = jax.random.normal(jax.random.key(0), (2, 64, 64), jnp.bfloat16)
-  make = lambda defer: vit.Mlp(256, dtype=jnp.bfloat16, impl="hopper", defer_bias=defer)
-  # the xla Mlp's init: the same parameters, without running the kernels
-  params = perturbed(make(False).clone(impl="xla").init(jax.random.key(1), x)["params"])
+  params = perturbed(layers.Mlp(256, jnp.bfloat16).init(jax.random.key(1), x)["params"])
   readout = jax.random.normal(jax.random.key(2), x.shape)
+  calls = []   # whether each call of the kernels got fc2's bias
+  monkeypatch.setattr(hm, "mlp", lambda *a, _f=hm.mlp: calls.append(a[4] is not None) or _f(*a))
 
-  def loss(defer):
+  def mlp(p, x, apart):
+    w1, b1, w2, b2 = p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"], p["fc2"]["bias"]
+    if apart:
+      y = ops.mlp_product(x, w1, b1, w2, None, dtype=jnp.bfloat16)
+      return y + b2.astype(y.dtype)   # as fused_stack._value adds it
+    return ops.mlp(x, w1, b1, w2, b2, dtype=jnp.bfloat16)
+
+  def loss(apart):
     def f(p, x):
-      y = make(defer).apply({"params": p}, x)
-      y = vit.branch_value(y)
+      y = mlp(p, x, apart)
       return jnp.sum(y.astype(jnp.float32) * readout), y
-    return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(params, x)
+    with ops.using(mlp="hopper"):
+      return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(params, x)
 
   (_, y_d), (g_d, dx_d) = loss(True)
   (_, y), (g, dx) = loss(False)
+  assert calls == [False, True]   # the kernels ran both times, b2=None the first
   np.testing.assert_array_equal(y_d, y)
   np.testing.assert_array_equal(dx_d, dx)
   db2 = g_d["fc2"].pop("bias"), g["fc2"].pop("bias")

@@ -63,7 +63,7 @@ def test_xm_tpu_slice_goes_through_the_tpu_vm_launcher(capsys):
 def test_xm_gpu_hosts_become_vertex_worker_pools(capsys):
   out = run(xm_launch, capsys, "--config=experiments/vit_h14_diff.py", "--platform=gpu",
             "--topology=a100-8", "--num_hosts=4", f"--workdir={GCS}", "--dry_run", "--",
-            "--config.total_steps=10", "--config.model.attention_impl=cudnn")
+            "--config.total_steps=10", "--config.kernels.attention=cudnn")
   assert "on Vertex AI" in out
   assert lines_with(out, "job chief: 1 replica(s), xm.JobRequirements(a100=8)")
   assert lines_with(out, "job workers: 3 replica(s), xm.JobRequirements(a100=8)")
@@ -71,7 +71,7 @@ def test_xm_gpu_hosts_become_vertex_worker_pools(capsys):
   [every] = lines_with(out, "every replica runs:")
   assert every.endswith(
       "DARL_DISTRIBUTED=on python -m darl_jax.main --config=experiments/vit_h14_diff.py "
-      f"--workdir={GCS} --config.total_steps=10 --config.model.attention_impl=cudnn")
+      f"--workdir={GCS} --config.total_steps=10 --config.kernels.attention=cudnn")
   assert "xmanager" not in sys.modules
 
 
@@ -173,7 +173,7 @@ def _script(out: str) -> str:
 
 def test_slurm_one_process_per_gpu(capsys, tmp_path):
   out = _slurm(capsys, "--nodes=4", "--gpus_per_node=8", "--partition=gpu", "--",
-               "--config.model.attention_impl=cudnn")
+               "--config.kernels.attention=cudnn")
   text = _script(out)
   for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8",
                "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
@@ -183,7 +183,7 @@ def test_slurm_one_process_per_gpu(capsys, tmp_path):
   assert text.rstrip().endswith(
       "srun --kill-on-bad-exit=1 python3 -m darl_jax.main "
       "--config=experiments/vit_l16_diff.py --workdir=/shared/l16 "
-      "--config.model.attention_impl=cudnn")
+      "--config.kernels.attention=cudnn")
   assert lines_with(out, "+ sbatch", "darl.sbatch")
   (tmp_path / "job.sbatch").write_text(text)
   check = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True,

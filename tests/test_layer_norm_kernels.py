@@ -1,9 +1,10 @@
 """The fused LayerNorm kernels (darl_jax/kernels/layer_norm.py) on CPU: their
 numbers in Pallas's Triton interpreter against a float32 LayerNorm (and, for
 ``add_layer_norm`` / ``add_bias_layer_norm``, against XLA's adds), the
-models' ``norm_impl='triton'`` against flax's LayerNorm (with the branch
-biases deferred into the norms), and their lowering for CUDA at the model
-widths."""
+models under ``kernels.norm='triton'`` against XLA's LayerNorm (the
+backbone's stack with the branch biases deferred into the norms,
+kernels/fused_stack.py; tests/test_ops.py has more of it), and their
+lowering for CUDA at the model widths."""
 
 import dataclasses
 
@@ -13,10 +14,9 @@ import numpy as np
 import pytest
 
 from darl_jax import config_lib
-from flax import linen as nn
-
+from darl_jax import objectives
+from darl_jax import ops
 from darl_jax.kernels import layer_norm as ln
-from darl_jax.models import attention
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import decoders
 from darl_jax.models import vit
@@ -25,7 +25,7 @@ from test_kernels import perturbed, vit_inputs
 # 37 rows in blocks of 4 = 10 blocks over 3 backward programs: a partial last
 # block, and programs that walk different numbers of blocks.
 SMALL = ln.Blocks(rows=4, warps=2, bwd_rows=4, bwd_warps=2, programs=3)
-EPS = vit.LN_EPS
+EPS = ops.LN_EPS
 
 
 def _reference(x, scale, bias):
@@ -305,8 +305,8 @@ def test_backward_chunks():
   assert ln.Blocks().bwd_parts(1280) == ((0, 1024), (1024, 256))
 
 
-def _tiny_vit(norm_impl, dtype=jnp.float32, **kw):
-  return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, norm_impl=norm_impl, **kw)
+def _tiny_vit(dtype=jnp.float32, **kw):
+  return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, **kw)
 
 
 def _norm_kernels(jaxpr) -> dict:
@@ -330,49 +330,50 @@ def _norm_kernels(jaxpr) -> dict:
   return counts
 
 
-# Two blocks: the triton norms add the attention branch in norm2 and the first
+# Two blocks. The fused stack (kernels/fused_stack.py, without drop path and
+# remat): the triton norms add the attention branch in norm2 and the first
 # block's MLP branch in the second block's norm1, the last in the final norm,
 # each with the bias of the projection that ends the branch
 # (add_bias_layer_norm_fwd); unrolled and scanned (the carry is (x, (product,
-# bias))), with drop path on the branches (block 0's rate is 0: its branches
-# defer their biases, block 1's do not), and under remat (the add between
-# blocks left to XLA, the attention bias still in norm2). ``kernels``: the
-# forward norm kernels the triton model's forward calls, so that a lost
-# deferral fails here.
+# bias))). With drop path in training, or under remat, the plain blocks run,
+# each of their five norms the plain kernel. ``kernels``: the forward norm
+# kernels the triton model's forward calls, so that a lost deferral (or a
+# norm left to XLA) fails here.
 @pytest.mark.parametrize("kw,train,kernels", [
     ({}, False, {"add_bias_layer_norm_fwd": 4, "layer_norm_fwd": 1}),
     ({"scan_layers": True}, False, {"add_bias_layer_norm_fwd": 3}),
-    ({"drop_path": 0.5}, True,
-     {"add_bias_layer_norm_fwd": 2, "add_layer_norm_fwd": 2, "layer_norm_fwd": 1}),
-    ({"remat": "full"}, False, {"add_bias_layer_norm_fwd": 2, "layer_norm_fwd": 3})],
+    ({"drop_path": 0.5}, True, {"layer_norm_fwd": 5}),
+    ({"remat": "full"}, False, {"layer_norm_fwd": 5})],
     ids=["unrolled", "scan", "drop_path", "remat"])
 def test_vit_with_triton_norms_is_the_same_model(kw, train, kernels):
-  """Same parameter tree, same features and block outputs, and parameter
-  gradients equal to float32 rounding under a random readout."""
+  """Same features and block outputs, and parameter gradients equal to
+  float32 rounding under a random readout."""
   batch = 8 if train else 3   # 8 images: drop path keeps some branches, drops others
   args = vit_inputs(batch, 4)
-  params = _tiny_vit("xla", **kw).init(jax.random.key(1), *args)["params"]
-  assert (jax.tree.structure(_tiny_vit("triton", **kw).init(jax.random.key(1), *args)["params"])
-          == jax.tree.structure(params))
-  params = perturbed(params)   # scales and biases away from 1 and 0
+  model = _tiny_vit(**kw)
+  params = perturbed(model.init(jax.random.key(1), *args)["params"])   # scales, biases off 1, 0
   readout = jax.random.normal(jax.random.key(3), (3, batch, 16, 64))
   # the same per-example drop-path masks for both (drop rate 0.5 in block 1)
   rngs = {"dropout": jax.random.key(4)}
 
-  def loss(impl):
+  def loss(norm):
     def f(p):
-      out = _tiny_vit(impl, **kw).apply({"params": p}, *args, train=train, rngs=rngs)
+      out = model.apply({"params": p}, *args, train=train, rngs=rngs)
       # LN output alone is scale-free upstream; the block outputs make every
       # parameter's gradient count
       return jnp.sum(out["features"] * readout[0]) + sum(
           jnp.sum(out[f"block_{i:02d}"] * readout[1 + i]) for i in range(2)), out
-    return jax.value_and_grad(f, has_aux=True)(params)
+    with ops.using(norm=norm):
+      return jax.value_and_grad(f, has_aux=True)(params)
 
   (_, out_x), g_x = loss("xla")
   (_, out_t), g_t = loss("triton")
-  forward = lambda p: _tiny_vit("triton", **kw).apply({"params": p}, *args, train=train,
-                                                      rngs=rngs)
-  assert _norm_kernels(jax.make_jaxpr(forward)(params)) == kernels
+  # a function for each trace: jax caches a function's trace, which does not
+  # know of the ops' choice
+  forward = lambda: lambda p: model.apply({"params": p}, *args, train=train, rngs=rngs)
+  with ops.using(norm="triton"):
+    assert _norm_kernels(jax.make_jaxpr(forward())(params)) == kernels
+  assert not _norm_kernels(jax.make_jaxpr(forward())(params))
   assert out_t.keys() == out_x.keys() == {"features", "block_00", "block_01"}
   for key in out_x:
     assert _rel(out_t[key], out_x[key]) < 1e-5, key
@@ -381,55 +382,63 @@ def test_vit_with_triton_norms_is_the_same_model(kw, train, kernels):
 
 
 def test_mlp_decoder_with_triton_norms_is_the_same_function():
-  """The residual MLP decoder adds each block's output, with fc2's bias, in
-  the next norm's kernel (the last in the final norm): same outputs and
-  gradients as XLA's."""
+  """The residual MLP decoder's norms (one per block, the final one) run the
+  kernels under kernels.norm='triton': same outputs and gradients as XLA's."""
   z = jax.random.normal(jax.random.key(0), (37, 64))
   x_noisy = jax.random.normal(jax.random.key(1), (37, 12))
-  make = lambda impl: decoders.PatchDecoder("mlp", 12, depth=2, width=64, mlp_ratio=2,
-                                            norm_impl=impl)
-  params = perturbed(make("xla").init(jax.random.key(2), z, x_noisy)["params"])
+  decoder = decoders.PatchDecoder("mlp", 12, depth=2, width=64, mlp_ratio=2)
+  params = perturbed(decoder.init(jax.random.key(2), z, x_noisy)["params"])
   readout = jax.random.normal(jax.random.key(3), (37, 12))
-  loss = lambda impl: jax.value_and_grad(
-      lambda p, z: jnp.sum(make(impl).apply({"params": p}, z, x_noisy) * readout), (0, 1))
-  got, want = loss("triton")(params, z), loss("xla")(params, z)
-  forward = lambda p: make("triton").apply({"params": p}, z, x_noisy)
-  assert _norm_kernels(jax.make_jaxpr(forward)(params)) == {
-      "layer_norm_fwd": 1, "add_bias_layer_norm_fwd": 2}
+
+  def loss(norm):
+    with ops.using(norm=norm):
+      return jax.value_and_grad(
+          lambda p, z: jnp.sum(decoder.apply({"params": p}, z, x_noisy) * readout), (0, 1))(
+              params, z)
+
+  got, want = loss("triton"), loss("xla")
+  forward = lambda p: decoder.apply({"params": p}, z, x_noisy)
+  with ops.using(norm="triton"):
+    assert _norm_kernels(jax.make_jaxpr(forward)(params)) == {"layer_norm_fwd": 3}
   assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0]))
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
     assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
 
 
 def test_the_denoising_decoder_takes_the_backbones_kernels():
-  """config.model.norm_impl / mlp_impl reach the patch decoder too, and the
-  diffusion model's loss is unchanged by the norms' implementation."""
+  """kernels.norm='triton' reaches the Transformer patch decoder too (its
+  norms run the kernels), and the diffusion model's loss is unchanged by the
+  norms' implementation."""
   config = config_lib.imagenet_pretrain_config("mu/16", "diffusion")
   config.model.image_size = 32
-  config.model.norm_impl = "triton"
   model = darl_lib.darl_from_config(config)
-  assert model.decoder.kind == "transformer" and model.decoder.norm_impl == "triton"
-  # the backbone's choice, "auto" resolved for this backend
-  assert model.decoder.mlp_impl == model.backbone.mlp_impl != "auto"
+  assert model.decoder.kind == "transformer"
   images = jax.random.uniform(jax.random.key(0), (2, 32, 32, 3), minval=-1, maxval=1)
   rngs = {"params": jax.random.key(1), "noise": jax.random.key(2), "dropout": jax.random.key(3)}
   variables = model.init(rngs, images, train=True)
-  config.model.norm_impl = "xla"
-  plain = darl_lib.darl_from_config(config)
-  assert (jax.tree.structure(plain.init(rngs, images, train=True)) == jax.tree.structure(variables))
-  noise = {"noise": jax.random.key(4)}
-  got, _ = model.apply(variables, images, train=True, rngs=noise)
-  want, _ = plain.apply(variables, images, train=True, rngs=noise)
+  z = jnp.zeros((4, model.backbone.width))
+  with ops.using(norm="triton"):
+    decode = jax.make_jaxpr(lambda v: model.apply(
+        v, z, jnp.zeros((4, 16 * 16 * 3)), jnp.full((4,), 0.5), method=darl_lib.DARL.decode))
+    assert _norm_kernels(decode(variables)).get("layer_norm_fwd", 0) >= 1
+
+  def loss(norm):
+    with ops.using(norm=norm):
+      return model.apply(variables, images, jax.random.key(4), train=True,
+                         rngs={"noise": jax.random.key(5)}, method=objectives.loss)[0]
+
+  got, want = loss("triton"), loss("xla")
   assert abs(float(got) - float(want)) < 1e-5 * abs(float(want))
 
 
-def test_unknown_norm_impl_names_the_valid_ones():
-  with pytest.raises(ValueError, match="unknown LayerNorm implementation 'fast'; valid: xla, triton"):
-    vit.check_norm_impl("fast")
+def test_unknown_norm_choice_names_the_valid_ones():
+  with pytest.raises(ValueError, match="unknown kernels.norm 'fast'; valid: auto, xla, triton"):
+    ops.Kernels(norm="fast")
   config = config_lib.imagenet_pretrain_config("mu/16", "mse")
-  config.model.norm_impl = "fast"
-  with pytest.raises(ValueError, match="valid: xla, triton"):
-    vit.vit_from_config(config.model)
+  config.kernels.norm = "fast"
+  with pytest.raises(config_lib.ConfigError, match="kernels.norm must be one of auto, xla, "
+                                                   "triton, got 'fast'"):
+    config_lib.validate(config)
 
 
 @pytest.mark.parametrize("width,backward_kernels", [(1024, 1), (1280, 1), (768, 0)])
@@ -457,18 +466,19 @@ def test_kernels_lower_for_cuda_at_model_widths(width, backward_kernels):
 
 @pytest.mark.parametrize("width,bwd_rows", [(1024, 2), (1280, ln.DEFAULT_BLOCKS.bwd_rows)])
 def test_the_model_norm_takes_its_widths_blocks(width, bwd_rows):
-  """vit.TritonLayerNorm runs the kernels at ``blocks_for(width)``: the
-  backward over 2 rows a block at ViT-L's 1024 (measured faster there), the
-  default elsewhere. The backward's grid shows it: one program per block of
-  rows here (8 rows)."""
+  """ops.layer_norm under kernels.norm='triton' runs the kernels at
+  ``blocks_for(width)``: the backward over 2 rows a block at ViT-L's 1024
+  (measured faster there), the default elsewhere. The backward's grid shows
+  it: one program per block of rows here (8 rows)."""
   x = jnp.ones((8, width), jnp.bfloat16)
-  norm = vit.TritonLayerNorm(jnp.bfloat16)
-  params = norm.init(jax.random.key(0), x, True)
+  scale, bias = jnp.ones((width,)), jnp.zeros((width,))
 
   def backward_grid():
-    grad = jax.grad(lambda p: jnp.sum(norm.apply(p, x, True)[1].astype(jnp.float32)))
-    eqns = [e for e in jax.make_jaxpr(grad)(params).eqns
-            if e.params.get("name") == "layer_norm_bwd"]
+    grad = jax.grad(lambda x, s, b: jnp.sum(
+        ops.layer_norm(x, s, b, dtype=jnp.bfloat16).astype(jnp.float32)), (0, 1, 2))
+    with ops.using(norm="triton"):
+      eqns = [e for e in jax.make_jaxpr(grad)(x, scale, bias).eqns
+              if e.params.get("name") == "layer_norm_bwd"]
     assert len(eqns) == 1
     return tuple(eqns[0].params["grid_mapping"].grid)
 

@@ -9,7 +9,10 @@ import numpy as np
 import optax
 import pytest
 
+from darl_jax import ops
+from darl_jax import objectives
 from darl_jax import patches as patches_lib
+from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import heads, posenc, vit
 
@@ -18,7 +21,7 @@ def tiny_config(**over):
   c = ml_collections.ConfigDict({
       "seed": 0,
       "model": dict(variant="mu/4", image_size=16, channels=1, posenc="rope2d",
-                    rope_max_wavelength=100.0, causal=True, attention_impl="xla",
+                    rope_max_wavelength=100.0, causal=True,
                     dtype="float32", drop_path=0.0, scan_layers=False, remat="none",
                     ordering="raster", ordering_block=2, reference_image_size=0),
       "decoder": dict(kind="linear", depth=1, width=32, num_heads=2,
@@ -63,9 +66,7 @@ def test_prediction_for_patch_t_never_sees_patch_t_or_later(ordering, objective)
   @jax.jit
   def per_patch_pred(imgs):
     # Same noise for both calls: the decoder sees identical (x_noisy, gamma).
-    return model.apply({"params": params}, imgs, num_steps=3,
-                       rngs={"noise": jax.random.PRNGKey(7)},
-                       method=darl_lib.DARL.predict_patches)
+    return sampling.predict_patches(model, params, imgs, jax.random.PRNGKey(7), num_steps=3)
 
   base = patches_lib.patchify(per_patch_pred(x), 4)
   for j in (0, 5, 15):
@@ -227,9 +228,10 @@ def test_every_option_runs_forward_and_backward(over):
   params = init(model, x)
 
   def loss_fn(p):
-    loss, metrics = model.apply({"params": p}, x, train=True,
+    loss, metrics = model.apply({"params": p}, x, jax.random.PRNGKey(5), train=True,
                                 rngs={"noise": jax.random.PRNGKey(3),
-                                      "dropout": jax.random.PRNGKey(4)})
+                                      "dropout": jax.random.PRNGKey(4)},
+                                method=objectives.loss)
     return loss, metrics
 
   (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
@@ -253,9 +255,10 @@ def test_scan_and_unrolled_layers_compute_the_same_function():
   for i in range(2):
     backbone[f"block_{i:02d}"] = jax.tree_util.tree_map(lambda a: a[i], stacked)
   p_unrolled["backbone"] = backbone
-  a = scanned.apply({"params": p_scan}, x, train=False)[0]
-  b = unrolled.apply({"params": p_unrolled}, x, train=False)[0]
-  np.testing.assert_allclose(a, b, rtol=1e-5)
+  a = scanned.apply({"params": p_scan}, x, train=False)["z"]
+  b = unrolled.apply({"params": p_unrolled}, x, train=False)["z"]
+  # Features of order 1: scan and unrolled blocks fuse differently (float32).
+  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_backbone_returns_every_block_by_name():
@@ -294,7 +297,6 @@ def test_bad_config_errors_name_the_fix():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("tq,tk", [(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (3, 2)])
 def test_short_attention_matches_jax_attention(tq, tk, dtype):
-  from darl_jax.models import attention
   keys = jax.random.split(jax.random.PRNGKey(tq * 10 + tk), 4)
   q = jax.random.normal(keys[0], (5, tq, 3, 8), dtype)
   k, v = (jax.random.normal(r, (5, tk, 3, 8), dtype) for r in keys[1:3])
@@ -303,26 +305,28 @@ def test_short_attention_matches_jax_attention(tq, tk, dtype):
   for causal in (False, True):
     for m in (None, mask, jnp.broadcast_to(mask, (5, 3, tq, tk))):
       want = jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=causal)
-      got = attention.short_attention(q, k, v, causal=causal, mask=m)
-      assert got.dtype == want.dtype
-      np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
-  # The dispatcher takes it for short key lengths only.
-  assert tk <= attention.SHORT_KEYS
+      for got in (ops._short_attention(q, k, v, causal=causal, mask=m),
+                  ops.attention(q, k, v, causal=causal, mask=m)):   # the dispatcher's pick
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
+  assert tk <= ops.SHORT_KEYS
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_two_key_attention_is_attention_over_two_keys(dtype):
-  """two_key_attention (sigmoid of the logits' difference) gives
+  """The two-key form (sigmoid of the logits' difference) gives
   short_attention's output over the stacked keys, and its gradient."""
-  from darl_jax.models import attention
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
   q, k0, k1, v0, v1 = (2.0 * jax.random.normal(r, (6, 1, 3, 8), dtype) for r in keys)
-  want_f = lambda q, k0, k1, v0, v1: attention.short_attention(  # noqa: E731
-      q, jnp.concatenate([k0, k1], 1), jnp.concatenate([v0, v1], 1), causal=False)
+  cat = lambda a, b: jnp.concatenate([a, b], 1)  # noqa: E731
+  want_f = lambda q, k0, k1, v0, v1: ops._short_attention(  # noqa: E731
+      q, cat(k0, k1), cat(v0, v1), causal=False)
+  got_f = lambda q, k0, k1, v0, v1: ops.attention(  # noqa: E731
+      q, cat(k0, k1), cat(v0, v1), causal=False)   # dispatched to the two-key form
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   outs = []
-  for f in (want_f, attention.two_key_attention):
+  for f in (want_f, got_f):
     loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * w)  # noqa: E731
     outs.append((f(q, k0, k1, v0, v1), jax.grad(loss, range(5))(q, k0, k1, v0, v1)))
   (want, g_want), (got, g_got) = outs
@@ -334,11 +338,12 @@ def test_two_key_attention_is_attention_over_two_keys(dtype):
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_cudnn_and_xla_attention_agree():
-  from darl_jax.models import attention
   q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 196, 4, 64), jnp.bfloat16)
   for causal in (True, False):
-    a = attention.dot_product_attention(q, k, v, causal=causal, impl="xla")
-    b = attention.dot_product_attention(q, k, v, causal=causal, impl="cudnn")
+    with ops.using(attention="xla"):
+      a = ops.attention(q, k, v, causal=causal)
+    with ops.using(attention="cudnn"):
+      b = ops.attention(q, k, v, causal=causal)
     np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2)
 
 
@@ -364,7 +369,7 @@ def test_tiny_darl_overfits_a_handful_of_images(over):
   @jax.jit
   def step(params, state, key):
     def loss_fn(p):
-      return model.apply({"params": p}, x, train=True, rngs={"noise": key})[0]
+      return model.apply({"params": p}, x, key, train=True, method=objectives.loss)[0]
     loss, g = jax.value_and_grad(loss_fn)(params)
     updates, state = opt.update(g, state, params)
     return optax.apply_updates(params, updates), state, loss
@@ -387,64 +392,24 @@ def test_gelu_exact_value_and_custom_gradient(dtype):
   g = jax.random.normal(jax.random.PRNGKey(1), (4096,)).astype(dtype)
   x64 = np.asarray(x, np.float64)
   exact = x64 * 0.5 * np.asarray([math.erfc(-v / math.sqrt(2)) for v in x64])
-  ours = np.asarray(vit.gelu_exact(x), np.float64)
+  ours = np.asarray(ops.gelu(x), np.float64)
   if dtype == jnp.float32:
     # 1 + erf cancels in the far negative tail (as in PyTorch): < 1e-6 absolute.
     np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
   else:   # within one bf16 rounding of the exact value
     np.testing.assert_allclose(ours, exact, rtol=2 ** -8, atol=1e-6)
   reference = lambda x: jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
-  grad = jax.vjp(vit.gelu_exact, x)[1](g)[0]
+  grad = jax.vjp(ops.gelu, x)[1](g)[0]
   want = jax.vjp(reference, x)[1](g)[0]
   assert grad.dtype == dtype
   tol = 1e-5 if dtype == jnp.float32 else 1e-2
   np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want, np.float32),
                              rtol=tol, atol=tol)
   # And inside a larger jitted function.
-  loss = lambda x: jnp.sum(vit.gelu_exact(x).astype(jnp.float32) ** 2)
+  loss = lambda x: jnp.sum(ops.gelu(x).astype(jnp.float32) ** 2)
   ref_loss = lambda x: jnp.sum(reference(x).astype(jnp.float32) ** 2)
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss))(x), np.float32),
                              np.asarray(jax.grad(ref_loss)(x), np.float32), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_deferred_bias_projections_are_flaxs_dense_layers(dtype):
-  """MultiHeadAttention's out and Mlp's fc2 with ``defer_bias`` return the
-  product and bias apart: the same parameters (names, shapes, dtypes and
-  initial values for the same rng) as nn.DenseGeneral / nn.Dense, and
-  ``product + bias`` (the bias cast to the product's dtype, vit.branch_value)
-  is their output, bit for bit."""
-  from flax import linen as nn
-  from darl_jax.models import attention
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 4, 16), dtype)   # [B, T, heads, head_dim]
-  cases = [(attention.DenseBiasApart(64, (-2, -1), dtype, attention.OUT_INIT),
-            nn.DenseGeneral(64, axis=(-2, -1), dtype=dtype, kernel_init=attention.OUT_INIT)),
-           (attention.DenseBiasApart(32, (-1,), dtype, vit.DENSE_INIT),
-            nn.Dense(32, dtype=dtype, kernel_init=vit.DENSE_INIT))]
-  for apart, flax_layer in cases:
-    params = apart.init(jax.random.PRNGKey(1), x)["params"]
-    want = flax_layer.init(jax.random.PRNGKey(1), x)["params"]
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
-        lambda a: (a.shape, a.dtype), want)
-    jax.tree.map(np.testing.assert_array_equal, params, want)
-    params = jax.tree.map(lambda p: p + 0.1, params)   # a bias that shows
-    product, bias = apart.apply({"params": params}, x)
-    # the bias stays the float32 parameter (its gradient a float32 sum)
-    assert product.dtype == dtype and bias.dtype == jnp.float32
-    assert bias.shape == (product.shape[-1],)
-    np.testing.assert_array_equal(vit.branch_value((product, bias)),
-                                  flax_layer.apply({"params": params}, x))
-  # inside the modules: same trees and initial values, product + bias the output
-  y = x.reshape(2, 5, 64)
-  for make in (lambda d: vit.Mlp(128, dtype=dtype, defer_bias=d),
-               lambda d: attention.MultiHeadAttention(4, dtype=dtype, defer_bias=d)):
-    params = make(True).init(jax.random.PRNGKey(2), y)["params"]
-    jax.tree.map(np.testing.assert_array_equal, params,
-                 make(False).init(jax.random.PRNGKey(2), y)["params"])
-    params = jax.tree.map(lambda p: p + 0.1, params)
-    branch = make(True).apply({"params": params}, y)
-    np.testing.assert_array_equal(vit.branch_value(branch),
-                                  make(False).apply({"params": params}, y))
 
 
 def _dot_rows(jaxpr, cols: int) -> list:
@@ -462,42 +427,39 @@ def _dot_rows(jaxpr, cols: int) -> list:
   return rows
 
 
-@pytest.mark.parametrize("context_len,norm_impl", [(1, "xla"), (2, "xla"), (1, "triton")])
-def test_readout_block_is_the_full_block_at_the_last_token(context_len, norm_impl):
-  """ReadoutBlock(context, token) is the full (non-causal) Block over
-  ``[context, token]`` read at the last token: same parameter tree, values
-  and gradients (inputs and parameters, under a random readout), with
-  either norm (the triton one defers the biases into its kernels); its MLP
-  runs on the token alone."""
+@pytest.mark.parametrize("context_len,norm", [(1, "xla"), (2, "xla"), (1, "triton")])
+def test_readout_block_is_the_full_block_at_the_last_token(context_len, norm):
+  """Block(token, context=context) (the read-out mode) is the full
+  (non-causal) Block over ``[context, token]`` read at the last token: same
+  parameter tree, values and gradients (inputs and parameters, under a
+  random readout), with either norm; its MLP runs on the token alone."""
   b, width = 5, 32
   context = jax.random.normal(jax.random.PRNGKey(0), (b, context_len, width))
   token = jax.random.normal(jax.random.PRNGKey(1), (b, 1, width))
-  kw = dict(num_heads=4, mlp_dim=64, norm_impl=norm_impl)
-  full, part = vit.Block(causal=False, **kw), vit.ReadoutBlock(**kw)
+  block = vit.Block(num_heads=4, mlp_dim=64, causal=False)
   seq = jnp.concatenate([context, token], axis=1)
-  params = full.init(jax.random.PRNGKey(2), seq)["params"]
-  got_init = part.init(jax.random.PRNGKey(2), context, token)["params"]
+  params = block.init(jax.random.PRNGKey(2), seq)["params"]
+  got_init = block.init(jax.random.PRNGKey(2), token, context=context)["params"]
   assert jax.tree.structure(got_init) == jax.tree.structure(params)
   assert jax.tree.map(jnp.shape, got_init) == jax.tree.map(jnp.shape, params)
   params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(3), p.shape),
                         params)   # biases and scales away from 0 and 1
   w = jax.random.normal(jax.random.PRNGKey(4), (b, 1, width))
   want_f = lambda p, c, t: jnp.sum(
-      full.apply({"params": p}, jnp.concatenate([c, t], axis=1))[:, -1:] * w)
-  got_f = lambda p, c, t: jnp.sum(part.apply({"params": p}, c, t) * w)
-  assert part.apply({"params": params}, context, token).shape == (b, 1, width)
-  (want, g_want), (got, g_got) = (
-      jax.jit(jax.value_and_grad(f, (0, 1, 2)))(params, context, token) for f in (want_f, got_f))
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  for a, b_ in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
-    np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)
-  # the MLP's first layer (64 wide) sees one token of each example
-  jaxpr = jax.make_jaxpr(lambda p: part.apply({"params": p}, context, token))(params).jaxpr
-  assert _dot_rows(jaxpr, 64) == [b]
-  # (branch, return_branch) as Block's
-  x, branch = vit.ReadoutBlock(return_branch=True, **kw).apply({"params": params}, context, token)
-  np.testing.assert_allclose(x + vit.branch_value(branch),
-                             part.apply({"params": params}, context, token), rtol=1e-6)
+      block.apply({"params": p}, jnp.concatenate([c, t], axis=1))[:, -1:] * w)
+  got_f = lambda p, c, t: jnp.sum(block.apply({"params": p}, t, context=c) * w)
+  with ops.using(norm=norm):
+    assert block.apply({"params": params}, token, context=context).shape == (b, 1, width)
+    (want, g_want), (got, g_got) = (
+        jax.jit(jax.value_and_grad(f, (0, 1, 2)))(params, context, token)
+        for f in (want_f, got_f))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b_ in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+      np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)
+    # the MLP's first layer (64 wide) sees one token of each example
+    jaxpr = jax.make_jaxpr(lambda p: block.apply({"params": p}, token, context=context))(
+        params).jaxpr
+    assert _dot_rows(jaxpr, 64) == [b]
 
 
 def test_transformer_decoder_last_block_reads_one_token():

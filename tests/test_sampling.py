@@ -1,4 +1,5 @@
-"""KV-cached autoregressive sampling (darl_jax/sampling.py, train/sample.py) on tiny models."""
+"""KV-cached autoregressive sampling (darl_jax/sampling.py, the sampling job
+train/sample.py) and the denoising chain (diffusion.reverse_diffusion) on tiny models."""
 
 import json
 
@@ -16,7 +17,6 @@ from darl_jax import patches as patches_lib
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import vit
-from darl_jax.train import loop
 from darl_jax.train import sample as sample_lib
 
 from test_models import images, tiny_config
@@ -48,8 +48,8 @@ def random_params(module, *args, seed=0, **kwargs):
 
 
 def init(model, x):
-  """DARL parameters (``eval_gammas`` keeps the Beta sampler out of the trace)."""
-  return random_params(model, x, train=False, eval_gammas=np.array([0.5], np.float32))
+  """DARL parameters (backbone and decoder)."""
+  return random_params(model, x, train=False)
 
 
 def tiny(**over):
@@ -74,7 +74,7 @@ def test_cached_decoding_equals_the_full_forward_pass(posenc):
   rows, cols = jnp.asarray(order.rows)[None], jnp.asarray(order.cols)[None]
   index = jnp.arange(1, 17)[None]
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 16))
-  cached = vit.CachedViT.from_vit(model, cache_len=16)
+  cached = vit.with_cache(model, cache_len=16)
 
   args = lambda x: (x[:, :15], rows[:, :15], cols[:, :15], index[:, :15], (4, 4))
   params = random_params(model, *args(x))
@@ -89,7 +89,8 @@ def test_cached_decoding_equals_the_full_forward_pass(posenc):
     def step(variables, k):
       out, variables = cached.apply(
           {"params": params, **variables}, jax.lax.dynamic_slice_in_dim(x, k, 1, 1),
-          rows[:, k, None], cols[:, k, None], index[:, k, None], (4, 4), mutable=["cache"])
+          rows[:, k, None], cols[:, k, None], index[:, k, None], (4, 4), prepend_sos=False,
+          mutable=["cache"])
       return variables, out["features"][:, 0]
 
     variables, feats = jax.lax.scan(step, variables, jnp.arange(5, 15))
@@ -104,7 +105,7 @@ def test_cached_decoding_equals_the_full_forward_pass(posenc):
 def test_cached_backbone_has_the_training_parameter_tree():
   model = darl_lib.darl_from_config(tiny_config(**{"model.scan_layers": True}))
   params = init(model, jnp.zeros((1, 16, 16, 1)))
-  cached = vit.CachedViT.from_vit(model.backbone, cache_len=17)
+  cached = vit.with_cache(model.backbone, cache_len=17)
   cached_shapes = jax.eval_shape(lambda: cached.init(
       jax.random.PRNGKey(0), jnp.zeros((1, 16, 16)), np.zeros((1, 16)), np.zeros((1, 16)),
       np.zeros((1, 16)), (4, 4), prepend_sos=True))["params"]
@@ -117,7 +118,7 @@ def test_cached_backbone_has_the_training_parameter_tree():
 
 def test_first_sampled_patch_is_the_teacher_forced_prediction():
   """MSE model, round-robin order: with the first 6 patches given, patch 6 of
-  the completion equals DARL.predict_patches (the training path), so the
+  the completion equals sampling.predict_patches (the training forward pass), so the
   sampler's tokens, positions and prefill follow the ordering; MSE
   completions are deterministic (all samples equal, any key)."""
   model, params = tiny(**{"model.ordering": "round_robin"})
@@ -128,8 +129,8 @@ def test_first_sampled_patch_is_the_teacher_forced_prediction():
   b = np.asarray(sampler(params, x, known, jax.random.PRNGKey(1)))
   np.testing.assert_array_equal(a[:, 0], a[:, 1])
   np.testing.assert_array_equal(a, b)
-  teacher = jax.jit(lambda p, x: model.apply({"params": p}, x,
-                                             method=darl_lib.DARL.predict_patches))(params, x)
+  teacher = jax.jit(lambda p, x: sampling.predict_patches(model, p, x, jax.random.PRNGKey(0))
+                    )(params, x)
   j = sampler.ordering.perm[6]
   got = patches_lib.patchify(a[:, 0], 4)[:, j]
   want = np.clip(patches_lib.patchify(teacher, 4)[:, j], -1, 1)
@@ -231,7 +232,7 @@ def test_sampler_reproduces_a_two_point_mixture_with_the_exact_denoiser(a, b, st
   points = np.array([[0.8, -0.4, 0.2], [-0.6, 0.5, -0.3]], np.float32)
   weights = np.array([0.3, 0.7])
   grid = diffusion.sampling_gamma_grid(steps, a, b)
-  x = np.asarray(jax.jit(lambda k: sampling.reverse_diffusion(
+  x = np.asarray(jax.jit(lambda k: diffusion.reverse_diffusion(
       _mixture_denoiser(points, weights), k, (4000, 3), grid))(jax.random.PRNGKey(0)))
   dist = np.linalg.norm(x[:, None] - points, axis=-1)               # [n, 2]
   assert dist.min(1).max() < 1e-2                                   # every sample on a mode
@@ -246,8 +247,8 @@ def test_sampler_reproduces_gaussian_moments_and_temperature_narrows_them():
     return mean + jnp.sqrt(g) * std**2 * (x - jnp.sqrt(g) * mean) / (g * std**2 + 1 - g)
 
   grid = diffusion.sampling_gamma_grid(200, 1.0, 1.0)
-  sample = jax.jit(lambda k, t: sampling.reverse_diffusion(denoise, k, (4000, 8), grid,
-                                                          temperature=t))
+  sample = jax.jit(lambda k, t: diffusion.reverse_diffusion(denoise, k, (4000, 8), grid,
+                                                           temperature=t))
   run = lambda t: np.asarray(sample(jax.random.PRNGKey(1), t))
   x = run(1.0)
   assert abs(x.mean() - mean) < 0.01 and abs(x.std() - std) < 0.02, (x.mean(), x.std())
@@ -271,7 +272,7 @@ def test_sampler_rejects_models_it_cannot_sample():
             jax.random.PRNGKey(0), prefill_len=9)
 
 
-# ---------------------------------------------------------------- the trainer
+# ------------------------------------------------------------ the sampling job
 
 
 def _fake_pretraining_run(workdir, over):
@@ -289,7 +290,7 @@ def _fake_pretraining_run(workdir, over):
   return c
 
 
-def test_sample_trainer_writes_grid_samples_and_metrics(tmp_path, monkeypatch):
+def test_sample_job_writes_grid_samples_and_metrics(tmp_path, monkeypatch):
   # TensorBoard is not what this checks, and its backend imports TensorFlow.
   monkeypatch.setattr(metrics_lib, "_make_tensorboard_backend", lambda logdir: None)
   pre = tmp_path / "pre"
@@ -301,9 +302,13 @@ def test_sample_trainer_writes_grid_samples_and_metrics(tmp_path, monkeypatch):
   c.batch_size = 4
   c.sample.update(num_images=5, num_samples=3, num_steps=2, temperature=0.5, clip=False,
                   grid_images=3, classifier_steps=20, classifier_batch_size=64)
-  loop.run(main.get_trainer("sample")(c), c, str(tmp_path / "out"))
+  returned = main.get_job("sample")(c, str(tmp_path / "out"))
   out = tmp_path / "out"
   metrics = json.loads((out / "sample_metrics.json").read_text())
+  assert metrics == returned
+  assert json.loads((out / "config.json").read_text())["trainer"] == "sample"
+  assert [r["step"] for r in metrics_lib.read_metrics(str(out))] == [0]
+  assert not (out / "run.lock").exists()
   assert metrics["given_max_abs_error"] == 0.0 and metrics["diversity_rms"] > 0
   assert 0 <= metrics["classifier_acc_completion"] <= 1
   grid = np.asarray(Image.open(out / "samples.png"))
@@ -316,13 +321,17 @@ def test_sample_trainer_writes_grid_samples_and_metrics(tmp_path, monkeypatch):
   assert not (out / "checkpoints").exists()
 
 
-def test_sample_trainer_errors_name_the_fix(tmp_path):
+def test_sample_job_errors_name_the_fix(tmp_path):
   c = sample_lib.sample_config()
   with pytest.raises(ValueError, match="init_from"):
-    sample_lib.SampleTrainer(c)
+    sample_lib.run(c, str(tmp_path / "out"))
   c.init_from = str(tmp_path)
   with pytest.raises(FileNotFoundError, match="no DARL checkpoint found.*--config.init_from"):
-    sample_lib.SampleTrainer(c)
+    sample_lib.run(c, str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()             # nothing written before the checks
+  c.sample.condition = "bottom_half"
+  with pytest.raises(ValueError, match="valid: top_half"):
+    sample_lib.resolve(c)
   pre = _fake_pretraining_run(tmp_path, {})
   pre.decoder.kind = "mlp"                       # config.json now disagrees with the weights
   (tmp_path / "config.json").write_text(json.dumps(pre.to_dict()))

@@ -131,20 +131,35 @@ def test_make_mesh_on_the_local_device():
     sharding_lib.make_mesh({"data": 2})
 
 
-def test_kernel_options_with_a_tensor_axis_get_a_warning_that_names_the_fix():
+def test_kernel_options_with_a_tensor_axis_get_a_warning_that_names_the_fix(monkeypatch):
   import ml_collections
-  model = ml_collections.ConfigDict({"attention_impl": "hopper", "mlp_impl": "xla",
-                                     "norm_impl": "triton"})
+  from types import SimpleNamespace
+  config = ml_collections.ConfigDict({
+      "model": {"dtype": "bfloat16"},
+      "kernels": {"attention": "hopper", "mlp": "xla", "norm": "triton"}})
   tensor = {"data": 2, "fsdp": 1, "tensor": 2}
-  text = sharding_lib.kernel_mesh_warning(model, tensor)
-  assert "model.attention_impl=hopper, model.norm_impl=triton with mesh.tensor=2" in text
-  assert "mlp_impl=hopper" not in text and "model.attention_impl=cudnn" in text
+  text = sharding_lib.kernel_mesh_warning(config, tensor)
+  assert "kernels.attention=hopper, kernels.norm=triton with mesh.tensor=2" in text
+  assert "mlp=hopper" not in text and "(auto)" not in text
+  assert "kernels.attention=cudnn" in text and "kernels.norm=xla" in text
   # the batch axes are split per device (kernels/per_shard.py): no warning
-  assert sharding_lib.kernel_mesh_warning(model, {"data": 4, "fsdp": 2, "tensor": 1}) is None
-  plain = ml_collections.ConfigDict({"attention_impl": "cudnn", "mlp_impl": "xla",
-                                     "norm_impl": "xla"})
+  assert sharding_lib.kernel_mesh_warning(config, {"data": 4, "fsdp": 2, "tensor": 1}) is None
+  plain = ml_collections.ConfigDict({"model": {"dtype": "bfloat16"}, "kernels": {
+      "attention": "cudnn", "mlp": "xla", "norm": "xla"}})
   assert sharding_lib.kernel_mesh_warning(plain, tensor) is None
   assert sharding_lib.kernel_mesh_warning(None, tensor) is None
+  # ``auto`` counts as what it resolves to: XLA's ops here (CPU), the
+  # kernels on a Hopper GPU in bfloat16
+  auto = ml_collections.ConfigDict({"model": {"dtype": "bfloat16"}, "kernels": {
+      "attention": "auto", "mlp": "auto", "norm": "auto"}})
+  assert sharding_lib.kernel_mesh_warning(auto, tensor) is None
+  hopper = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
+  monkeypatch.setattr(jax, "devices", lambda *a: [hopper])
+  text = sharding_lib.kernel_mesh_warning(auto, tensor)
+  assert text.startswith("kernels.attention=hopper (auto), kernels.mlp=hopper (auto), "
+                         "kernels.norm=triton (auto) with mesh.tensor=2"), text
+  auto.model.dtype = "float32"
+  assert sharding_lib.kernel_mesh_warning(auto, tensor) is None
 
 
 # ------------------------------------------------------------ memory estimate

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from darl_jax import objectives, ops
 from darl_jax import patches as patches_lib
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import two_stream, vit
@@ -71,8 +72,8 @@ def test_random_order_draws_a_new_permutation_per_example_and_step():
   model = darl_lib.darl_from_config(two_stream_config())
   x = jnp.repeat(images(1), 2, axis=0)                    # two identical images
   params = init(model, x)
-  run = lambda key: model.apply({"params": params}, x, train=True,
-                                rngs={"noise": key})[1]["per_example_loss"]
+  run = lambda key: model.apply({"params": params}, x, key, train=True, rngs={"noise": key},
+                                method=objectives.loss)[1]["per_example_loss"]
   l1, l2 = run(jax.random.PRNGKey(0)), run(jax.random.PRNGKey(1))
   assert float(jnp.abs(l1[0] - l1[1])) > 1e-6             # orders differ per example
   assert float(jnp.abs(l1 - l2).max()) > 1e-6             # and per step
@@ -95,7 +96,8 @@ def _train(model, x, steps=120):
   @jax.jit
   def step(params, state, key):
     loss, g = jax.value_and_grad(lambda p: model.apply(
-        {"params": p}, x, train=True, rngs={"noise": key})[0])(params)
+        {"params": p}, x, key, train=True, rngs={"noise": key},
+        method=objectives.loss)[0])(params)
     updates, state = opt.update(g, state, params)
     return optax.apply_updates(params, updates), state, loss
 
@@ -117,10 +119,34 @@ def test_raster_two_stream_trains_like_the_plain_model():
   assert end_t < 2.0 * end_p, (end_t, end_p)
 
 
-@pytest.mark.parametrize("option,value", [("mlp_impl", "hopper"), ("norm_impl", "triton")])
-def test_two_stream_names_the_kernel_options_it_does_not_run(option, value):
-  config = tiny_config()
-  config.model.two_stream = True
-  config.model[option] = value
-  with pytest.raises(ValueError, match=f"set model.{option}='xla'"):
-    darl_lib.darl_from_config(config)
+def test_two_stream_model_under_the_norm_kernels_is_the_same_function():
+  """kernels.norm='triton' in the two-stream model (both streams' norms,
+  the shared final norm; the stack runs as plain blocks, the two-stream
+  backbone having no fused stack): the same query and content features, and
+  parameter gradients, as XLA's norms. float32, Pallas's interpreter."""
+  model = darl_lib.darl_from_config(two_stream_config(**{"model.ordering": "raster"}))
+  x = images()
+  params = init(model, x)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(3), len(leaves))
+  params = jax.tree.unflatten(tree, [p + 0.1 * jax.random.normal(k, p.shape)
+                                     for p, k in zip(leaves, keys)])
+
+  def run(norm):
+    def f(p):
+      _, out = model.apply({"params": p}, x, train=False, method=darl_lib.DARL.encode)
+      return jnp.sum(out["features"] * jnp.sin(out["features"])) + jnp.sum(
+          out["content"] * jnp.cos(out["content"])), out
+    with ops.using(norm=norm):
+      return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+  (_, want), g_want = run("xla")
+  (_, got), g_got = run("triton")
+  with ops.using(norm="triton"):   # the norms ran as the kernels
+    assert "layer_norm_fwd" in str(jax.make_jaxpr(lambda p: model.apply(
+        {"params": p}, x, train=False, method=darl_lib.DARL.encode))(params))
+  for key in ("features", "content", "block_00", "block_01"):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
+    err = float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-12))
+    assert err < 1e-4, (jax.tree_util.keystr(path), err)

@@ -27,8 +27,8 @@ v)`` on three ``[B, T, H, D]`` arrays.
 Invariants: bf16 inputs, ``T >= 64``, ``B * T`` a multiple of 64, head dim
 a multiple of 16 up to 256 (check_shapes names the fix otherwise); RoPE
 tables are one ``[T, D/2]`` pair shared by the batch, in kernels/rope.py's
-layout. models/attention.py calls these where they fit
-(``attention_impl='hopper'``, the default on sm_90 in bf16), cuDNN or XLA
+layout. darl_jax/ops.py calls these where they fit
+(``kernels.attention='hopper'``, the default on sm_90 in bf16), cuDNN or XLA
 elsewhere.
 """
 
@@ -99,7 +99,7 @@ def check_shapes(q, k, v) -> None:
   if problems:
     raise ValueError("the Hopper attention kernels cannot run this input: "
                      + "; ".join(problems)
-                     + ". Use model.attention_impl='cudnn' or 'xla' for it.")
+                     + ". Use kernels.attention='cudnn' or 'xla' for it.")
 
 
 def fits(q, k, v) -> bool:

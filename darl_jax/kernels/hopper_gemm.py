@@ -79,7 +79,7 @@ class Tiling:
           "the Hopper GEMM kernels need divisible shapes; cannot divide "
           + "; ".join(problems)
           + ". Use a batch size that makes batch x tokens a multiple of tile_m, "
-          "or XLA's path for this shape (the plain MLP, models.vit.Mlp; the "
+          "or XLA's path for this shape (the plain MLP, kernels.mlp='xla'; the "
           "attention's own projection, causal_attention_qkv).")
 
 

@@ -25,7 +25,7 @@ weight gradients, fc2's bias sum) stays XLA's. Elsewhere than on a Hopper
 GPU the kernels run in Pallas's GPU interpret mode (slow, for tests). They
 lengthen the training step's compilation several times over.
 
-Use: ``model.mlp_impl='hopper'`` (models/vit.py; the default on sm_90 in bf16).
+Use: ``kernels.mlp='hopper'`` (darl_jax/ops.py; the default on sm_90 in bf16).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _cdf_pdf(x, rsqrt=lax.rsqrt):
 
 
 def kernel_gelu(x):
-  """GELU as the kernels evaluate it (within 1e-6 of models.vit.gelu_exact)."""
+  """GELU as the kernels evaluate it (within 1e-6 of ops.gelu)."""
   return x * _cdf_pdf(x)[0]
 
 
@@ -184,14 +184,14 @@ def _flat(x):
 def mlp(x, w1, b1, w2, b2, kernels: MlpKernels = DEFAULT_KERNELS, interpret: bool = False):
   """``gelu(x @ w1 + b1) @ w2 + b2`` over the last axis of ``x``, in x's dtype (bf16).
 
-  The same function as models.vit.Mlp in bf16 (float32 accumulation, exact
+  The same function as ops.mlp on XLA in bf16 (float32 accumulation, exact
   GELU evaluated in float32), with the GELU and its derivative inside the
   kernels above; the kernels take the GELU of the float32 pre-activation,
-  where models.vit.Mlp rounds it to bf16 first.
+  where XLA's MLP (ops.mlp) rounds it to bf16 first.
 
   ``b2=None``: no fc2 bias here (no add, no gradient), for a caller that
-  adds it elsewhere (models.vit.Mlp's ``defer_bias``: in the next norm's
-  kernel).
+  adds it elsewhere (ops.mlp_product without fc2's bias: kernels/fused_stack.py
+  adds it in the next norm's kernel).
   """
   return _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret)[0]
 

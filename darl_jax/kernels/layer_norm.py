@@ -25,11 +25,12 @@ the forward kernel (saving a pass that writes ``s`` for the norm to read
 back); ``add_bias_layer_norm(x, y, y_bias, ...)`` also adds the deferred
 bias of the projection that made ``y``, its gradient a third column sum in
 the backward kernel. Invariant: ``s`` is rounded as XLA rounds ``x + (y +
-y_bias)``, so the model's numbers do not change with ``norm_impl``.
+y_bias)``, so the model's numbers do not change with ``kernels.norm``.
 
 Rows are held as power-of-two chunks (Triton blocks; ViT-H's 1280 as 1024 +
 256). On CPU the kernels run in Pallas's interpreter (tests). Use:
-``model.norm_impl='triton'`` (the default on sm_90 in bf16).
+``kernels.norm='triton'`` (darl_jax/ops.py, kernels/fused_stack.py; the
+default on sm_90 in bf16).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from darl_jax.models import layers
 from darl_jax.models import vit as vit_lib
 
 DECODERS = ("linear", "mlp", "transformer")
@@ -59,16 +59,12 @@ class PatchDecoder(nn.Module):
   mlp_ratio: int = 4
   gamma_conditioning: bool = False
   dtype: Any = jnp.float32
-  # the backbone's kernel choices (vit.MLP_IMPLS, vit.NORM_IMPLS): the decoder
-  # runs on every patch, so its MLPs and norms are as large as a few blocks'
-  mlp_impl: str = "xla"
-  norm_impl: str = "xla"
 
   @nn.compact
   def __call__(self, z, x_noisy=None, gamma=None):
     check_decoder(self.kind)
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype,
-                                     kernel_init=vit_lib.DENSE_INIT, name=name)
+                                     kernel_init=layers.DENSE_INIT, name=name)
     noisy = None if x_noisy is None else _noisy_input(x_noisy, gamma,
                                                       self.gamma_conditioning)
     if self.kind == "linear" or self.depth == 0:
@@ -79,15 +75,10 @@ class PatchDecoder(nn.Module):
       h = dense(self.width, "z_embed")(z)
       if noisy is not None:
         h = h + dense(self.width, "noisy_embed")(noisy)
-      # each residual add is the next norm's ``add`` (in its kernel with
-      # norm_impl='triton', fc2's bias too, as in vit.Block)
-      defer = vit_lib.defers_bias(self.norm_impl, 0.0)
-      branch = None
       for i in range(self.depth):
-        h, y = vit_lib.pre_norm(self.norm_impl, self.dtype, f"norm_{i}", h, add=branch)
-        branch = vit_lib.Mlp(self.width * self.mlp_ratio, dtype=self.dtype,
-                             impl=self.mlp_impl, defer_bias=defer, name=f"mlp_{i}")(y)
-      h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", h, add=branch)
+        h = h + layers.Mlp(self.width * self.mlp_ratio, self.dtype, name=f"mlp_{i}")(
+            layers.LayerNorm(self.dtype, name=f"norm_{i}")(h))
+      h = layers.LayerNorm(self.dtype, name="norm")(h)
       return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
     # transformer
@@ -100,32 +91,24 @@ class PatchDecoder(nn.Module):
                             (2, self.width), jnp.float32)
     context, token = (t[:, None] + e.astype(t.dtype) for t, e in zip(tokens, type_embed))
     block = dict(num_heads=self.num_heads, mlp_dim=self.width * self.mlp_ratio,
-                 dtype=self.dtype, mlp_impl=self.mlp_impl, norm_impl=self.norm_impl)
+                 causal=False, dtype=self.dtype)
     if self.depth > 1:
-      # The earlier blocks run on the [M, 2, width] sequence; each adds its
-      # outputs in XLA (the add inside each, with the attention's output
-      # bias, is in norm2's kernel).
       h = jnp.concatenate([context, token], axis=1)
       for i in range(self.depth - 1):
-        h = vit_lib.Block(causal=False, name=f"block_{i}", **block)(h)
+        h = vit_lib.Block(name=f"block_{i}", **block)(h)
       context, token = h[:, :1], h[:, 1:]
     # Only the second token's output is read, so the last block computes
-    # that token's output alone (ReadoutBlock: the first token is a key and
-    # value there): the same function, 40% fewer FLOPs in that block. Its
-    # output goes to the final norm un-added (return_branch), so the add
-    # (and fc2's bias) is done in that norm's kernel with norm_impl='triton'.
-    x, branch = vit_lib.ReadoutBlock(return_branch=True, name=f"block_{self.depth - 1}",
-                                     **block)(context, token)
-    h = vit_lib.final_norm(self.norm_impl, self.dtype, "norm", x, add=branch)[:, 0]
+    # that token's output alone, the first token giving keys and values
+    # (the read-out mode): the same function, 40% fewer FLOPs in that block.
+    h = vit_lib.Block(name=f"block_{self.depth - 1}", **block)(token, context=context)
+    h = layers.LayerNorm(self.dtype, name="norm")(h)[:, 0]
     return dense(self.patch_dim, "head")(h).astype(jnp.float32)
 
 
 def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
-                        backbone_heads: int, dtype, mlp_impl: str = "xla",
-                        norm_impl: str = "xla") -> PatchDecoder:
+                        backbone_heads: int, dtype) -> PatchDecoder:
   """``config.decoder``: kind, depth, width (0 = backbone width), num_heads
-  (0 = backbone heads), gamma_conditioning. ``mlp_impl``/``norm_impl``: the
-  backbone's (``config.model``)."""
+  (0 = backbone heads), gamma_conditioning."""
   get = lambda k, d=None: decoder_cfg.get(k, d)
   return PatchDecoder(
       kind=check_decoder(get("kind", "linear")),
@@ -134,5 +117,4 @@ def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
       width=get("width", 0) or backbone_width,
       num_heads=get("num_heads", 0) or backbone_heads,
       gamma_conditioning=get("gamma_conditioning", False),
-      dtype=dtype, mlp_impl=vit_lib.check_mlp_impl(mlp_impl),
-      norm_impl=vit_lib.check_norm_impl(norm_impl))
+      dtype=dtype)

@@ -26,59 +26,11 @@ identity permutation. Predictions come from the query stream.
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from darl_jax.models import attention as attention_lib
-from darl_jax.models import posenc as posenc_lib
+from darl_jax.models import layers
 from darl_jax.models import vit as vit_lib
-
-
-class TwoStreamAttention(nn.Module):
-  """Content self-attention plus query-stream attention onto the content."""
-  num_heads: int
-  impl: str = "xla"
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, h, g, rope_h, rope_g):
-    width = h.shape[-1]
-    q, k, v = attention_lib.project_qkv(h, self.num_heads, self.dtype, rope_h)
-    q_g = nn.DenseGeneral((self.num_heads, width // self.num_heads), dtype=self.dtype,
-                          kernel_init=attention_lib.QKV_INIT, name="query_proj")(g)
-    if rope_g is not None:
-      q_g = posenc_lib.apply_rope(q_g, *rope_g)
-    out = nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
-                          kernel_init=attention_lib.OUT_INIT, name="out")
-    # Both streams use the causal mask over content positions; for the query
-    # stream that is "content < the patch it predicts" (see module docstring).
-    h_out = out(attention_lib.dot_product_attention(q, k, v, causal=True, impl=self.impl))
-    g_out = out(attention_lib.dot_product_attention(q_g, k, v, causal=True, impl=self.impl))
-    return h_out, g_out
-
-
-class TwoStreamBlock(nn.Module):
-  """``vit.Block`` run on both streams; parameter names match ``vit.Block``."""
-  num_heads: int
-  mlp_dim: int
-  attention_impl: str = "xla"
-  drop_path: float = 0.0
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, h, g, rope_h, rope_g, deterministic: bool = True):
-    norm1 = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm1")
-    dh, dg = TwoStreamAttention(self.num_heads, self.attention_impl, self.dtype,
-                                name="attn")(norm1(h), norm1(g), rope_h, rope_g)
-    drop = vit_lib.DropPath(self.drop_path)
-    h, g = h + drop(dh, deterministic), g + drop(dg, deterministic)
-    norm2 = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm2")
-    mlp = vit_lib.Mlp(self.mlp_dim, dtype=self.dtype, name="mlp")
-    return (h + drop(mlp(norm2(h)), deterministic),
-            g + drop(mlp(norm2(g)), deterministic))
 
 
 class TwoStreamViT(vit_lib.ViT):
@@ -111,26 +63,17 @@ class TwoStreamViT(vit_lib.ViT):
     rope_g = self.rope_tables(qr, qc, qi)
     out = {}
     for i in range(self.depth):
-      h, g = TwoStreamBlock(self.num_heads, self.mlp_dim, self.attention_impl,
-                            self._block_kwargs(i)["drop_path"], self.dtype,
-                            name=f"block_{i:02d}")(h, g, rope_h, rope_g, not train)
+      h, g = vit_lib.Block(**self._block_kwargs(i), name=f"block_{i:02d}").two_stream(
+          h, g, rope_h, rope_g, not train)
       out[f"block_{i:02d}"] = h
-    norm = nn.LayerNorm(epsilon=vit_lib.LN_EPS, dtype=self.dtype, name="norm")
+    norm = layers.LayerNorm(self.dtype, name="norm")
     out["content"] = norm(h)
     out["features"] = norm(g)
     return out
 
 
 def two_stream_from_vit(backbone: vit_lib.ViT) -> TwoStreamViT:
-  # The two streams share their MLP and norms row by row; the kernels'
-  # versions of those are not wired for two streams, so say so rather than
-  # run XLA's silently.
-  for option, value in (("mlp_impl", backbone.mlp_impl), ("norm_impl", backbone.norm_impl)):
-    if value != "xla":
-      raise ValueError(f"model.two_stream runs XLA's MLP and LayerNorm, not "
-                       f"model.{option}={value!r}; set model.{option}='xla'")
   fields = {f: getattr(backbone, f) for f in (
       "width", "depth", "num_heads", "mlp_dim", "posenc", "reference_grid",
-      "rope_max_wavelength", "causal", "attention_impl", "drop_path", "dtype",
-      "scan_layers", "remat")}
+      "rope_max_wavelength", "causal", "drop_path", "dtype", "scan_layers", "remat")}
   return TwoStreamViT(**fields)

@@ -289,7 +289,7 @@ def apply_overrides(config, overrides: dict) -> None:
 # trained, so it is not part of a stage's id; keys that change results are
 # refused (write them into the scale instead).
 ENVIRONMENT_KEYS = ("data.path", "data.tfds_data_dir", "data.backend", "eval_batch_size",
-                    "model.attention_impl")
+                    "kernels.attention", "kernels.mlp", "kernels.norm")
 
 
 def parse_set(items) -> dict:

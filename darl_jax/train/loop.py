@@ -40,11 +40,11 @@ from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
+from darl_jax import ops
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
-from darl_jax.kernels import select
 from darl_jax.train import feed as feed_lib
 
 
@@ -66,11 +66,6 @@ class Context:
 
 class Trainer:
   """Base class of the trainers. Override the hooks; the loop does the rest."""
-
-  # False for trainers that only use a finished model (train/sample.py): the
-  # loop then builds no data, optimizer, state or checkpoints and calls
-  # build_model and finalize(ctx, model, state=None) only.
-  trains = True
 
   def __init__(self, config):
     self.config = config
@@ -298,13 +293,15 @@ class Setup:
 
 def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) -> Setup:
   """Mesh, data sources, model, optimizer, state shardings and the jitted
-  steps of ``trainer`` under ``config``, in that order (a trainer that
-  trains). ``devices``: the mesh's devices (default: all)."""
+  steps of ``trainer`` under ``config``, in that order. ``devices``: the
+  mesh's devices (default: all)."""
   # ------------------------------------------------------------ mesh and data
   mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
+  # How the model's ops run, set once for everything traced from here on.
   if "model" in config:
-    logging.info("%s", select.describe(config.model))
-  warning = sharding_lib.kernel_mesh_warning(config.get("model"), mesh)
+    kernels = ops.configure(config.get("kernels"), config.model.get("dtype", "float32"))
+    logging.info("%s", ops.describe(config.get("kernels"), kernels))
+  warning = sharding_lib.kernel_mesh_warning(config, mesh)
   if warning:
     logging.warning(warning)
   batch_sharding = sharding_lib.batch_sharding(mesh)
@@ -397,13 +394,6 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
 
   started = time.perf_counter()
   enable_compilation_cache(config)
-  if not trainer.trains:
-    mesh = sharding_lib.make_mesh(config.mesh)
-    ctx = Context(config, workdir, mesh, None, None, writer, 0)
-    writer.start(None, config.to_dict())    # its records are all written again
-    trainer.finalize(ctx, trainer.build_model(ctx), None)
-    writer.close()
-    return {}
   built = setup(trainer, config, workdir=workdir, writer=writer)
   ctx, model, mesh, batch_sharding = built.ctx, built.model, built.mesh, built.batch_sharding
   train_source, eval_source = ctx.train_source, ctx.eval_source

@@ -1,14 +1,24 @@
-"""DARL pretraining trainer: next-patch prediction with MSE or patch diffusion."""
+"""DARL pretraining trainer: next-patch prediction with MSE or patch diffusion.
+
+The loss is darl_jax/objectives.py's, run in one ``model.apply`` (backbone and
+decoder together, so gradients reach both). The noise comes from the rng the
+loop gives each step: split into the objective's draws (noise levels, noise,
+and a two-stream model's random orderings through the ``noise`` stream) and
+dropout. Validation scores every patch at a fixed gamma grid with fixed noise.
+After training, ``predictions.png`` shows teacher-forced predictions
+(sampling.predict_patches, the sampler's denoising chain).
+"""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from PIL import Image
 
 from darl_jax import diffusion
+from darl_jax import objectives
+from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import loop
 
@@ -26,8 +36,10 @@ class PretrainTrainer(loop.Trainer):
 
   def loss_fn(self, model, params, model_state, batch, rng, train):
     noise, dropout = jax.random.split(rng)
-    loss, metrics = model.apply({"params": params}, batch["image"], train=train,
-                                rngs={"noise": noise, "dropout": dropout})
+    draws, stream = jax.random.split(noise)
+    loss, metrics = model.apply({"params": params}, batch["image"], draws, train=train,
+                                rngs={"noise": stream, "dropout": dropout},
+                                method=objectives.loss)
     return loss, (metrics, model_state)
 
   def eval_fn(self, model, params, model_state, batch, rng):
@@ -35,8 +47,10 @@ class PretrainTrainer(loop.Trainer):
     gammas = None
     if self.config.loss.kind == "diffusion":
       gammas = diffusion.eval_gamma_grid(self.config.loss.get("eval_gammas", 8))
-    _, metrics = model.apply({"params": params}, batch["image"], train=False,
-                             eval_gammas=gammas, rngs={"noise": rng})
+    draws, stream = jax.random.split(rng)
+    _, metrics = model.apply({"params": params}, batch["image"], draws, train=False,
+                             eval_gammas=gammas, rngs={"noise": stream},
+                             method=objectives.loss)
     return {"loss": metrics["per_example_loss"]}
 
   def extra_eval(self, ctx, model, state):
@@ -57,9 +71,8 @@ class PretrainTrainer(loop.Trainer):
       return
     batch = next(iter(ctx.eval_source.eval_batches(num)))
     images = loop.model_input({"image": batch["image"][:num]})["image"]
-    predict = jax.jit(lambda p, x, r: model.apply(
-        {"params": p}, x, num_steps=self.config.predictions.num_steps,
-        rngs={"noise": r}, method=darl_lib.DARL.predict_patches))
+    predict = jax.jit(lambda p, x, r: sampling.predict_patches(
+        model, p, x, r, num_steps=self.config.predictions.num_steps))
     params = jax.device_get(state["params"])
     rows = [np.asarray(images)]
     samples = 1 if self.config.loss.kind == "mse" else 2

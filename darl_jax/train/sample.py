@@ -1,10 +1,12 @@
-"""The sample trainer: complete held-out images with a pretrained DARL model.
+"""The sampling job: complete held-out images with a pretrained DARL model.
 
     python -m darl_jax.main --config=experiments/fashion_mnist_sample.py \\
         --config.init_from=<pretraining workdir> --workdir=<dir>
 
-Nothing is trained (``trains = False``: the loop builds no data, optimizer
-or checkpoints); the work happens in ``finalize``:
+``config.trainer == "sample"`` makes darl_jax/main.py call :func:`run`, a
+small driver of its own: nothing is trained, so there is no data pipeline,
+optimizer, state or checkpoint, only the workdir contract (a lock,
+``config.json`` written after the checks, metrics.jsonl). The steps:
 
 1. the config stored in the pretraining run's newest checkpoint (or
    ``init_step``) rebuilds the exact model: variant, positional encoding,
@@ -42,7 +44,10 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import files
+from darl_jax import metrics as metrics_lib
+from darl_jax import ops
 from darl_jax import sampling
+from darl_jax import workdir as workdir_lib
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import loop
 
@@ -73,7 +78,7 @@ def load_pretrain_config(init_from: str, step: int | None = None
                          ) -> tuple[ml_collections.ConfigDict, int]:
   """``(config, step)``: the resolved config stored with the pretraining
   run's checkpoint ``step`` (None: the newest that reads) and that step, whose
-  parameters ``finalize`` then loads. Checkpoints from before the meta held
+  parameters :func:`run` then loads. Checkpoints from before the meta held
   the config fall back to the workdir's config.json."""
   try:
     step, meta = checkpoint_lib.read_meta(init_from, step=step)
@@ -88,11 +93,9 @@ def load_pretrain_config(init_from: str, step: int | None = None
 def check_params(model, image_shape, params) -> None:
   """Fails naming the parameters whose shapes differ from the rebuilt model's."""
   h, w, c = image_shape
-  # eval_gammas: trace the init without the Beta sampler (shapes only).
   abstract = jax.eval_shape(
       lambda: model.init({"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(0)},
-                         jnp.zeros((1, h, w, c)), train=False,
-                         eval_gammas=np.array([0.5], np.float32)))["params"]
+                         jnp.zeros((1, h, w, c)), train=False))["params"]
   want = {jax.tree_util.keystr(k): v.shape
           for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
   have = {jax.tree_util.keystr(k): np.shape(v)
@@ -104,76 +107,93 @@ def check_params(model, image_shape, params) -> None:
                      + "; ".join(diffs[:10]))
 
 
-class SampleTrainer(loop.Trainer):
-  """Completes images with a pretrained model; see the module docstring."""
-  trains = False
+def resolve(config) -> tuple[ml_collections.ConfigDict, int]:
+  """``(pretraining config, checkpoint step)`` for a sampling ``config``, with
+  the ``sample.*`` overrides applied; fails naming the fix before anything
+  is written."""
+  if not config.get("init_from"):
+    raise ValueError("the sample job needs --config.init_from=<pretraining workdir>")
+  s = config.sample
+  if s.condition not in sampling.CONDITIONS:
+    raise ValueError(f"unknown sample.condition {s.condition!r}; valid: "
+                     f"{', '.join(sampling.CONDITIONS)}")
+  pre, step = load_pretrain_config(config.init_from,
+                                   None if config.init_step < 0 else config.init_step)
+  if s.get("dtype"):
+    pre.model.dtype = s.dtype
+  if s.get("data_path"):
+    pre.data.path = s.data_path
+  if s.get("tfds_data_dir"):
+    pre.data.tfds_data_dir = s.tfds_data_dir
+  return pre, step
 
-  def __init__(self, config):
-    super().__init__(config)
-    if not config.get("init_from"):
-      raise ValueError("the sample trainer needs --config.init_from=<pretraining workdir>")
-    self.pretrain_config, self.init_step = load_pretrain_config(
-        config.init_from, None if config.init_step < 0 else config.init_step)
-    s = config.sample
-    pre = self.pretrain_config
-    if s.get("dtype"):
-      pre.model.dtype = s.dtype
-    if s.get("data_path"):
-      pre.data.path = s.data_path
-    if s.get("tfds_data_dir"):
-      pre.data.tfds_data_dir = s.tfds_data_dir
-    if s.condition not in sampling.CONDITIONS:
-      raise ValueError(f"unknown sample.condition {s.condition!r}; valid: "
-                       f"{', '.join(sampling.CONDITIONS)}")
 
-  def build_model(self, ctx):
-    return darl_lib.darl_from_config(self.pretrain_config)
+def run(config, workdir: str) -> dict:
+  """Samples per ``config`` into ``workdir``; returns the sample metrics
+  (empty on processes other than 0, which only hold the workdir with it).
 
-  def finalize(self, ctx, model, state):
-    del state
-    cfg, s, pre = self.config, self.config.sample, self.pretrain_config
-    if jax.process_index() != 0:
-      return
-    image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
-    # The step whose config built the model (load_pretrain_config).
-    params, meta = checkpoint_lib.restore_params(cfg.init_from, step=self.init_step)
-    check_params(model, image_shape, params)
-    params = jax.device_put(params)
-    logging.info("sampling from %s (step %s)", cfg.init_from, meta.get("step"))
+  The workdir contract of every run: locked for this run, ``config.json``
+  written (atomically) once the checks passed, metrics.jsonl started afresh
+  (a rerun writes every record again). No checkpoints.
+  """
+  config_lib.validate(config)
+  pre, step = resolve(config)
+  workdir = workdir_lib.prepare(workdir)
+  is_main = jax.process_index() == 0
+  with workdir_lib.hold(workdir, is_main=is_main), metrics_lib.MetricWriter(
+      str(workdir), is_main_process=is_main,
+      tensorboard=config.get("tensorboard", True)) as writer:
+    loop.enable_compilation_cache(config)
+    ops.configure(config.get("kernels"), pre.model.get("dtype", "float32"))
+    model = darl_lib.darl_from_config(pre)
+    writer.start(None, config.to_dict())
+    if not is_main:
+      return {}
+    return complete(config, pre, step, model, workdir, writer)
 
-    images, labels, num_classes = first_images(pre.data, s.split, s.num_images, cfg.seed)
-    if images.shape[1:] != image_shape:
-      raise ValueError(f"data gives images of shape {images.shape[1:]}, the model "
-                       f"expects {image_shape}")
-    sampler = sampling.Sampler(model, image_shape, num_steps=s.num_steps,
-                               temperature=s.temperature, num_samples=s.num_samples,
-                               clip=s.clip)
-    known = sampling.known_mask(s.condition, sampler.grid_hw, sampler.ordering,
-                                s.prefix_len)
-    start = time.time()
-    samples = complete_all(sampler, params, images, known, cfg.batch_size,
-                           jax.random.PRNGKey(cfg.seed))
-    seconds = time.time() - start
-    known_px = pixel_mask(known, sampler.grid_hw, model.patch_size)
-    metrics = completion_metrics(images, samples, known_px)
-    metrics.update(sampling_seconds=seconds, images_per_sec=len(images) / seconds,
-                   completions_per_sec=samples.shape[0] * samples.shape[1] / seconds)
-    if s.classifier_steps > 0 and num_classes > 0:
-      classify = train_pixel_classifier(pre.data, num_classes, s.classifier_steps,
-                                        s.classifier_batch_size, cfg.seed)
-      metrics.update(class_retention(classify, images, labels, samples, known_px))
 
-    workdir = ctx.workdir
-    n = min(s.grid_images, len(images))
-    grid = completion_grid(images[:n], samples[:n], known_px, scale=s.grid_scale)
-    Image.fromarray(grid).save(str(workdir / "samples.png"))
-    ctx.writer.write_images(0, {"samples": grid[None]})
-    np.savez_compressed(str(workdir / "samples.npz"), images=images, labels=labels,
-                        samples=samples, known=known)
-    files.write_text_atomic(workdir / "sample_metrics.json", json.dumps(metrics, indent=2) + "\n")
-    ctx.writer.write_scalars(0, metrics)
-    logging.info("wrote %s/samples.png; metrics: %s", workdir,
-                 {k: round(v, 4) for k, v in metrics.items()})
+def complete(config, pre, step: int, model, workdir, writer) -> dict:
+  """Loads the parameters, completes the images, writes the artifacts."""
+  s = config.sample
+  image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
+  # The step whose config built the model (load_pretrain_config).
+  params, meta = checkpoint_lib.restore_params(config.init_from, step=step)
+  check_params(model, image_shape, params)
+  params = jax.device_put(params)
+  logging.info("sampling from %s (step %s)", config.init_from, meta.get("step"))
+
+  images, labels, num_classes = first_images(pre.data, s.split, s.num_images, config.seed)
+  if images.shape[1:] != image_shape:
+    raise ValueError(f"data gives images of shape {images.shape[1:]}, the model "
+                     f"expects {image_shape}")
+  sampler = sampling.Sampler(model, image_shape, num_steps=s.num_steps,
+                             temperature=s.temperature, num_samples=s.num_samples,
+                             clip=s.clip)
+  known = sampling.known_mask(s.condition, sampler.grid_hw, sampler.ordering, s.prefix_len)
+  start = time.time()
+  samples = complete_all(sampler, params, images, known, config.batch_size,
+                         jax.random.PRNGKey(config.seed))
+  seconds = time.time() - start
+  known_px = pixel_mask(known, sampler.grid_hw, model.patch_size)
+  metrics = completion_metrics(images, samples, known_px)
+  metrics.update(sampling_seconds=seconds, images_per_sec=len(images) / seconds,
+                 completions_per_sec=samples.shape[0] * samples.shape[1] / seconds)
+  if s.classifier_steps > 0 and num_classes > 0:
+    classify = train_pixel_classifier(pre.data, num_classes, s.classifier_steps,
+                                      s.classifier_batch_size, config.seed)
+    metrics.update(class_retention(classify, images, labels, samples, known_px))
+
+  n = min(s.grid_images, len(images))
+  grid = completion_grid(images[:n], samples[:n], known_px, scale=s.grid_scale)
+  Image.fromarray(grid).save(str(workdir / "samples.png"))
+  writer.write_images(0, {"samples": grid[None]})
+  np.savez_compressed(str(workdir / "samples.npz"), images=images, labels=labels,
+                      samples=samples, known=known)
+  files.write_text_atomic(workdir / "sample_metrics.json", json.dumps(metrics, indent=2) + "\n")
+  writer.write_scalars(0, metrics)
+  logging.info("wrote %s/samples.png; metrics: %s", workdir,
+               {k: round(v, 4) for k, v in metrics.items()})
+  return metrics
 
 
 # ------------------------------------------------------------------- helpers

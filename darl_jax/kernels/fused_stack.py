@@ -1,0 +1,115 @@
+"""A backbone's block stack with the residual adds inside the LayerNorm kernels.
+
+The same function as the model's plain blocks (models/vit.py: ``x + attn(LN(x));
+x + mlp(LN(x))``, then the final norm), computed from the same parameter tree
+(``block_XX/{norm1, attn/{qkv, out}, norm2, mlp/{fc1, fc2}}`` or the scanned
+``blocks/block/...``, and ``norm``), but arranged for the Triton LayerNorm
+kernels (layer_norm.py):
+
+- every residual add is done in the forward kernel of the norm that follows
+  it (``add_layer_norm``): the attention branch's in norm2, the MLP branch's
+  in the next block's norm1 (or the final norm), instead of an XLA pass that
+  writes the sum for the norm to read back;
+- the bias of the projection that ends each branch (the attention's output
+  projection, fc2) is added in that same kernel (``add_bias_layer_norm``):
+  the projections return ``(product, bias)``;
+- each norm's backward adds the residual stream's gradient in its own pass
+  (``residual_layer_norm``).
+
+So a block hands on ``(x, branch)`` un-added, and the stack keeps that pair
+as its carry (a scan starts from a zero branch: ``x + (0 + 0)`` is ``x``).
+The per-block outputs ``x + branch`` are computed for the probes; XLA drops
+them where unused. Chosen by ``ops.block_stack`` as a unit (``kernels.norm
+= 'triton'``) for stacks without drop path or remat; the MLP and attention
+inside run whatever ``ops`` chose for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from darl_jax import ops
+from darl_jax.kernels import layer_norm as ln
+from darl_jax.kernels import per_shard
+
+# ops.block_digest() of the model block this file implements: when the
+# block's code changes, ops.block_stack runs the plain blocks instead (and
+# says so) until the change is ported here and this is updated.
+WRITTEN_FOR = "6a3bac15cea7ae0e"
+
+
+def _norm(p, x, add=None, keep_input: bool = True):
+  """``(s, LN(s))`` for ``s = x + add`` (``add``: None, an array, or a
+  ``(product, bias)`` pair) in one kernel; only ``LN(s)`` when the sum is
+  not used again (``keep_input=False``)."""
+  scale, bias = p["scale"], p["bias"]
+  blocks = ln.blocks_for(x.shape[-1])
+  interpret = ops._interpret()
+  if isinstance(add, tuple):
+    product, add_bias = add
+    s, y = per_shard.over_batch(
+        lambda x, a, ab, sc, b: ln.add_bias_layer_norm(x, a, ab, sc, b, ops.LN_EPS, blocks,
+                                                       interpret),
+        x, product, add_bias, scale, bias, batched=(True, True, False, False, False))
+  elif add is not None:
+    s, y = per_shard.over_batch(
+        lambda x, a, sc, b: ln.add_layer_norm(x, a, sc, b, ops.LN_EPS, blocks, interpret),
+        x, add, scale, bias, batched=(True, True, False, False))
+  elif keep_input:
+    s, y = per_shard.over_batch(
+        lambda x, sc, b: ln.residual_layer_norm(x, sc, b, ops.LN_EPS, blocks, interpret),
+        x, scale, bias, batched=(True, False, False))
+  else:
+    s, y = x, per_shard.over_batch(
+        lambda x, sc, b: ln.layer_norm(x, sc, b, ops.LN_EPS, blocks, interpret),
+        x, scale, bias, batched=(True, False, False))
+  return s, y
+
+
+def _value(branch):
+  """A branch's value: ``product + bias`` (the bias rounded to the
+  product's dtype first, as a Dense layer adds it)."""
+  product, bias = branch
+  return product + bias.astype(product.dtype)
+
+
+def _block(p, x, branch, rope, *, causal: bool, dtype):
+  """One block on ``x + branch``: returns ``(x + branch + attention branch,
+  the MLP branch as (product, bias))``."""
+  x, y = _norm(p["norm1"], x, branch)
+  attn = p["attn"]
+  heads = ops.self_attention(y.astype(dtype), attn["qkv"]["kernel"], attn["qkv"]["bias"],
+                             rope, causal=causal, dtype=dtype)
+  y = (ops.dense(heads, attn["out"]["kernel"], dtype=dtype, axes=2), attn["out"]["bias"])
+  x, y = _norm(p["norm2"], x, y)
+  m = p["mlp"]
+  y = ops.mlp_product(y.astype(dtype), m["fc1"]["kernel"], m["fc1"]["bias"],
+                      m["fc2"]["kernel"], None, dtype=dtype)
+  return x, (y, m["fc2"]["bias"])
+
+
+def run(params, x, rope, *, depth: int, num_heads: int, causal: bool, dtype, scanned: bool):
+  """``{"features": final LN output, "block_XX": block outputs}`` of the
+  stack in ``params`` (a backbone's parameter tree) on tokens ``x``."""
+  del num_heads   # read from the parameter shapes
+  out = {}
+  if scanned:
+    zero = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], jnp.float32))
+
+    def step(carry, p):
+      x, branch = _block(p, *carry, rope, causal=causal, dtype=dtype)
+      return (x, branch), x + _value(branch)
+
+    (x, branch), ys = jax.lax.scan(step, (x, zero), params["blocks"]["block"], length=depth)
+    for i in range(depth):
+      out[f"block_{i:02d}"] = ys[i]
+  else:
+    branch = None
+    for i in range(depth):
+      x, branch = _block(params[f"block_{i:02d}"], x, branch, rope, causal=causal,
+                         dtype=dtype)
+      out[f"block_{i:02d}"] = x + _value(branch)
+  _, y = _norm(params["norm"], x, branch, keep_input=False)
+  out["features"] = y.astype(dtype)
+  return out
