@@ -409,24 +409,46 @@ def block_stack(params, x, rope, *, depth: int, num_heads: int, causal: bool, dt
 @functools.lru_cache(maxsize=None)
 def block_digest() -> str:
   """A digest of the code of the model's block, the layers it calls and
-  the backbone's stack, docstrings and comments aside (their syntax trees)."""
-  import ast
+  the backbone's stack: their source text without docstrings, comments and
+  layout (the same on every Python version)."""
   import hashlib
   import inspect
-  import textwrap
   from darl_jax.models import attention as attention_lib, layers, vit
   digest = hashlib.sha256()
   for code in (vit.Block, vit.ViT.__call__, attention_lib.Attention, layers.DenseParams,
                layers.LayerNorm, layers.Mlp, layers.DropPath):
-    tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
-    for node in ast.walk(tree):
-      body = getattr(node, "body", None)
-      if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
-          and isinstance(getattr(body[0], "value", None), ast.Constant)
-          and isinstance(body[0].value.value, str)):
-        node.body = body[1:] or [ast.Pass()]
-    digest.update(ast.unparse(tree).encode())   # the same text on every Python
+    digest.update(_code_text(inspect.getsource(code)).encode())
   return digest.hexdigest()[:16]
+
+
+def _code_text(source: str) -> str:
+  """``source`` without docstrings and comments, whitespace collapsed."""
+  import ast
+  import io
+  import textwrap
+  import tokenize
+  source = textwrap.dedent(source)
+  lines = source.splitlines(keepends=True)
+  offsets = [0]
+  for line in lines:
+    offsets.append(offsets[-1] + len(line))
+  at = lambda row, col: offsets[row - 1] + col   # noqa: E731 (1-based rows)
+  cuts = []
+  for node in ast.walk(ast.parse(source)):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+      doc = body[0]
+      cuts.append((at(doc.lineno, doc.col_offset), at(doc.end_lineno, doc.end_col_offset)))
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      cuts.append((at(*tok.start), at(*tok.end)))
+  text, last = [], 0
+  for start, end in sorted(cuts):
+    text.append(source[last:start])
+    last = max(last, end)
+  text.append(source[last:])
+  return " ".join("".join(text).split())
 
 
 _warned = set()

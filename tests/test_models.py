@@ -1,6 +1,5 @@
 """Property tests of the model library on tiny models (CPU)."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -127,6 +127,39 @@ def test_initialisation_and_decoding_run_the_plain_blocks(monkeypatch):
   assert out["features"].shape == (1, 16, 64)
 
 
+def test_the_fused_stack_is_written_for_the_models_block():
+  """kernels/fused_stack.py re-implements the model's block; it records the
+  block code it implements. If this fails, the block, the attention, the
+  layers or the backbone's stack changed: port the change to
+  fused_stack.py (test_the_fused_stack_is_the_plain_blocks checks it), then
+  set its WRITTEN_FOR to the digest below."""
+  assert fused_stack.WRITTEN_FOR == ops.block_digest(), ops.block_digest()
+
+
+def test_an_edited_block_runs_the_plain_blocks(monkeypatch):
+  """Once the model's block code differs from the fused stack's, the
+  triton norms run the plain blocks (no fused add), never the stale fused
+  block, and say so once."""
+  monkeypatch.setattr(fused_stack, "WRITTEN_FOR", "an older block")
+  monkeypatch.setattr(fused_stack, "run", lambda *a, **k: pytest.fail("the fused stack ran"))
+  warnings = []
+  monkeypatch.setattr(ops, "_warn_once", warnings.append)
+  model = _tiny_vit()
+  args = vit_inputs(2, 4)
+  params = model.init(jax.random.key(1), *args)["params"]
+  with ops.using(norm="triton"):
+    jaxpr = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, *args))(params))
+  assert "layer_norm_fwd" in jaxpr and "add_bias_layer_norm_fwd" not in jaxpr
+  assert warnings and "fused_stack.py" in warnings[0]
+
+
+def test_the_block_digest_reads_code_not_docstrings_or_comments():
+  code = 'class A:\n  """Doc."""\n  x: int = 1  # a note\n\n  def f(self):\n    """More."""\n    return f"{self.x}"\n'
+  same = 'class A:\n  """Other doc."""\n  x: int = 1\n  def f(self):\n    return f"{self.x}"  # why\n'
+  other = code.replace("= 1", "= 2")
+  assert ops._code_text(code) == ops._code_text(same) != ops._code_text(other)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_layer_norm_kernel_is_xlas_layer_norm(dtype):
   """ops.layer_norm under norm='triton' and 'xla': the same values and

@@ -9,7 +9,7 @@ import pytest
 from darl_jax import objectives, ops
 from darl_jax import patches as patches_lib
 from darl_jax.models import darl as darl_lib
-from darl_jax.models import two_stream, vit
+from darl_jax.models import two_stream
 from test_models import images, init, tiny_config
 
 

@@ -36,7 +36,7 @@ from darl_jax.kernels import per_shard
 # ops.block_digest() of the model block this file implements: when the
 # block's code changes, ops.block_stack runs the plain blocks instead (and
 # says so) until the change is ported here and this is updated.
-WRITTEN_FOR = "6a3bac15cea7ae0e"
+WRITTEN_FOR = "495e95fceef9908b"
 
 
 def _norm(p, x, add=None, keep_input: bool = True):

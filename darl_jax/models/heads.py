@@ -8,8 +8,8 @@ Read-outs (paper Table "read-out"):
 * ``mean``: the mean over the patch tokens (the SOS token excluded).
 
 ``sos``: whether to prepend the SOS token. A pretrained backbone was trained
-with it; dropping it gives an even sequence length (N = 196 or 256), which the
-cuDNN flash kernel needs.
+with it; dropping it gives an even sequence length (N = 196 or 256), which
+some fused attention kernels need (darl_jax/ops.py).
 """
 
 from __future__ import annotations

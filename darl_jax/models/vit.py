@@ -186,8 +186,9 @@ class ViT(nn.Module):
 
   def rope_tables(self, rows_f, cols_f, index_f):
     """``(cos, sin)`` for rotary encodings, else None: ``[1, T, head_dim/2]``
-    when every image has the same positions (the Hopper attention kernels
-    take those), ``[B, T, head_dim/2]`` when positions are per image."""
+    when every image has the same positions (one table for the batch, which
+    ops.self_attention can keep inside its kernels), ``[B, T, head_dim/2]``
+    when positions are per image."""
     if self.posenc not in posenc_lib.ROTARY:
       return None
     angles = posenc_lib.rope_angles(self.posenc, self.width // self.num_heads,

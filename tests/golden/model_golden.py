@@ -16,7 +16,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
