@@ -64,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
       "causal": True, "dtype": "float32",
       "drop_path": 0.0, "scan_layers": False, "remat": "none",
       "ordering": "raster", "ordering_block": 2,
+      # Prefix-causal pretraining (models/darl.py PREFIXES): "uniform" = per
+      # example a prefix of U{1..N-1} patches attends both ways, no loss on it.
+      "prefix": "off",
       # XLNet-style query stream (models/two_stream.py); with ordering="random"
       # every example gets a fresh patch order.
       "two_stream": False})
@@ -212,12 +215,20 @@ def short_diff(diffs: list[str], limit: int = 6) -> str:
                                      if len(diffs) > limit else "")
 
 
+# Architecture keys added after checkpoints were written, with the value
+# that reproduces what those checkpoints were trained as: a checkpoint that
+# lacks the key counts as having that value.
+ADDED_MODEL_KEYS = {"prefix": "off"}
+
+
 def check_resume_compatible(meta: dict, config) -> None:
   """A workdir's checkpoint from another architecture gives a clear error
   naming the changed keys (and only those)."""
   saved = meta.get("architecture")
   if saved is None:
     return
+  if isinstance(saved.get("model"), dict):
+    saved = {**saved, "model": {**ADDED_MODEL_KEYS, **saved["model"]}}
   now = json.loads(json.dumps(_architecture(config), default=str))
   diffs = config_diff(saved, now)
   if diffs:

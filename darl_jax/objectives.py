@@ -66,11 +66,34 @@ def patch_targets(tokens: jax.Array, norm_pix: bool) -> jax.Array:
 # ----------------------------------------------------------------- MSE
 
 
-def mse_loss(pred: jax.Array, target: jax.Array) -> tuple[jax.Array, dict]:
-  """``pred``, ``target [B, N, P]`` -> ``(loss, {"loss", "per_example_loss" [B]})``."""
+def _weighted_mean(err, weights, axis=None):
+  """The mean of ``err`` over ``axis`` with per-patch ``weights`` (None: all 1)."""
+  if weights is None:
+    return jnp.mean(err, axis)
+  w = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (err.ndim - weights.ndim)),
+                       err.shape)
+  return jnp.sum(err * w, axis) / jnp.maximum(jnp.sum(w, axis), 1.0)
+
+
+def mse_loss(pred: jax.Array, target: jax.Array, weights=None) -> tuple[jax.Array, dict]:
+  """``pred``, ``target [B, N, P]`` -> ``(loss, {"loss", "per_example_loss" [B]})``;
+  ``weights [B, N]`` (prefix_weights) leave patches out of both."""
   err = jnp.mean(jnp.square(pred - target), -1)              # [B, N]
-  loss = jnp.mean(err)
-  return loss, {"loss": loss, "per_example_loss": err.mean(1)}
+  loss = _weighted_mean(err, weights)
+  return loss, {"loss": loss, "per_example_loss": _weighted_mean(err, weights, 1)}
+
+
+def draw_prefix(key: jax.Array, batch: int, n: int) -> jax.Array:
+  """Prefix lengths ``[B]`` for prefix-causal pretraining: uniform over 1 ..
+  N - 1 patches, so every example keeps at least one patch with a loss."""
+  return jax.random.randint(key, (batch,), 1, n)
+
+
+def prefix_weights(prefix: jax.Array, n: int) -> jax.Array:
+  """``[B, N]`` 1.0 for the patches scored under ``prefix [B]``: the output
+  at position t predicts patch t and has seen the whole prefix, so only
+  ``t >= prefix`` (patches after the prefix) carry a loss."""
+  return (jnp.arange(n)[None] >= prefix[:, None]).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------- diffusion
@@ -99,8 +122,8 @@ def eval_noise(key: jax.Array, target_shape, gammas):
 
 
 def diffusion_loss(decode: Callable, z: jax.Array, target: jax.Array, gamma: jax.Array,
-                   eps: jax.Array, *, predict: str = "x0", gamma_bins: int = 10
-                   ) -> tuple[jax.Array, dict]:
+                   eps: jax.Array, *, predict: str = "x0", gamma_bins: int = 10,
+                   weights=None) -> tuple[jax.Array, dict]:
   """The simplified DDPM loss for given draws.
 
   Args:
@@ -111,6 +134,7 @@ def diffusion_loss(decode: Callable, z: jax.Array, target: jax.Array, gamma: jax
     predict: ``x0`` (the paper's choice) or ``eps``, what the decoder outputs
       and is scored against.
     gamma_bins: number of equal-width gamma bins of the per-level metrics.
+    weights: ``[B, N]`` or None; patches of weight 0 carry no loss (prefix).
 
   Returns:
     ``(loss, metrics)``: ``loss``, ``per_example_loss [B]`` (mean over the
@@ -126,17 +150,19 @@ def diffusion_loss(decode: Callable, z: jax.Array, target: jax.Array, gamma: jax
   pred = decode(z_k, x_noisy.reshape(-1, p).astype(z.dtype), gamma.reshape(-1))
   goal = x0 if predict == "x0" else eps
   err = jnp.mean(jnp.square(pred.reshape(bsz, n, k, p) - goal), -1)      # [B, N, k]
-  loss = jnp.mean(err)
-  metrics = {"loss": loss, "per_example_loss": err.reshape(bsz, -1).mean(1)}
-  metrics.update(gamma_bin_metrics(err, gamma, gamma_bins))
+  loss = _weighted_mean(err, weights)
+  metrics = {"loss": loss, "per_example_loss": _weighted_mean(err, weights, (1, 2))}
+  metrics.update(gamma_bin_metrics(err, gamma, gamma_bins, weights))
   return loss, metrics
 
 
-def gamma_bin_metrics(err: jax.Array, gamma: jax.Array, num_bins: int) -> dict:
+def gamma_bin_metrics(err: jax.Array, gamma: jax.Array, num_bins: int, weights=None) -> dict:
   """``loss_gamma_bin_XX``: the mean loss of the draws whose gamma falls in
   equal-width bin XX of [0, 1] (diffusion.bin_edges); NaN for an empty bin,
   which the logger averages over steps with nanmean."""
-  sums, counts = diffusion.gamma_bin_stats(err.reshape(-1), gamma.reshape(-1), num_bins)
+  mask = None if weights is None else jnp.broadcast_to(weights[..., None], err.shape
+                                                       ).reshape(-1) > 0
+  sums, counts = diffusion.gamma_bin_stats(err.reshape(-1), gamma.reshape(-1), num_bins, mask)
   return {f"loss_gamma_bin_{i:02d}": jnp.where(counts[i] > 0,
                                                 sums[i] / jnp.maximum(counts[i], 1), jnp.nan)
           for i in range(num_bins)}
@@ -160,28 +186,35 @@ def loss(model, images, key, *, train: bool, eval_gammas=None, perm=None):
   ``eval_gammas`` for validation; then :func:`loss_given_noise`. MSE draws
   nothing. Returns ``(loss, metrics)``.
   """
-  gamma = eps = None
+  gamma = eps = prefix = None
+  shape = noise_shape(model, images)
   if model.loss == "diffusion":
-    shape = noise_shape(model, images)
     if eval_gammas is None:
       gamma, eps = draw_noise(key, shape, model.noise_samples, model.noise_a, model.noise_b)
     else:
       gamma, eps = eval_noise(key, shape, eval_gammas)
-  return loss_given_noise(model, images, train=train, gamma=gamma, eps=eps, perm=perm)
+  if model.prefix != "off":   # its own stream: the noise draws stay as without a prefix
+    prefix = draw_prefix(jax.random.fold_in(key, 2), shape[0], shape[1])
+  return loss_given_noise(model, images, train=train, gamma=gamma, eps=eps, perm=perm,
+                          prefix=prefix)
 
 
-def loss_given_noise(model, images, *, train: bool, gamma=None, eps=None, perm=None):
+def loss_given_noise(model, images, *, train: bool, gamma=None, eps=None, perm=None,
+                     prefix=None):
   """The loss for given diffusion draws (``gamma [B, N, k]``, ``eps [B, N, k, P]``;
-  unused for MSE) and optional ordering ``perm`` (``[N]`` or ``[B, N]``).
-  A ``model.apply(..., method=loss_given_noise)`` function."""
+  unused for MSE), optional ordering ``perm`` (``[N]`` or ``[B, N]``) and
+  prefix lengths ``prefix [B]`` (prefix-causal pretraining: the prefix
+  attends both ways and carries no loss). A ``model.apply(...,
+  method=loss_given_noise)`` function."""
   check_objective(model.loss, model.predict)
-  out = model(images, train=train, perm=perm)
+  out = model(images, train=train, perm=perm, prefix=prefix)
   z, target = out["z"], out["target"]
+  weights = None if prefix is None else prefix_weights(prefix, target.shape[1])
   if model.loss == "mse":
     # The decoders take rows [M, D]: one row per (example, patch).
     pred = model.decode(z.reshape(-1, z.shape[-1])).reshape(target.shape)
-    return mse_loss(pred, target)
+    return mse_loss(pred, target, weights)
   if gamma is None or eps is None:
     raise ValueError("the diffusion loss needs gamma and eps (objectives.draw_noise)")
-  return diffusion_loss(model.decode, z, target, gamma, eps,
-                        predict=model.predict, gamma_bins=model.gamma_bins)
+  return diffusion_loss(model.decode, z, target, gamma, eps, predict=model.predict,
+                        gamma_bins=model.gamma_bins, weights=weights)

@@ -340,10 +340,15 @@ def self_attention(x, qkv_kernel, qkv_bias, rope, *, causal: bool, dtype, mask=N
   With ``hopper`` and causal attention without a mask the projection's
   bias and RoPE run inside the Hopper kernels (the projection too where its
   tiles fit), so the packed ``[B, T, 3, H, Dh]`` array is read once."""
-  if _current.attention == "hopper" and causal and mask is None:
-    out = _hopper_self_attention(x, qkv_kernel, qkv_bias, rope, dtype)
-    if out is not None:
-      return out
+  if _current.attention == "hopper":
+    if causal and mask is None:
+      out = _hopper_self_attention(x, qkv_kernel, qkv_bias, rope, dtype)
+      if out is not None:
+        return out
+    elif mask is not None:
+      _warn_once("kernels.attention='hopper' runs causal attention without a mask; masked "
+                 "attention (model.prefix) runs as cuDNN's where it takes the inputs, else XLA's",
+                 info=True)
   qkv = dense(x, qkv_kernel, qkv_bias, dtype=dtype)
   q, k, v = (apply_rope(qkv[:, :, i], rope) if i < 2 else qkv[:, :, i] for i in range(3))
   return attention(q, k, v, causal=causal, mask=mask)
@@ -380,8 +385,8 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
 # ------------------------------------------------------------------ block stacks
 
 
-def block_stack(params, x, rope, *, depth: int, num_heads: int, causal: bool, dtype,
-                scanned: bool):
+def block_stack(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool,
+                dtype, scanned: bool):
   """A backbone's stack of pre-LN blocks and its final norm run as one unit
   on its parameter tree (``block_XX`` or scanned ``blocks/block``, and
   ``norm``), or None when the plain blocks should run: with ``norm=triton``,
@@ -402,8 +407,8 @@ def block_stack(params, x, rope, *, depth: int, num_heads: int, causal: bool, dt
                "implements: running the plain blocks. Port the change to fused_stack.py "
                "and set its WRITTEN_FOR to ops.block_digest() to fuse again.")
     return None
-  return fused_stack.run(params, x, rope, depth=depth, num_heads=num_heads, causal=causal,
-                         dtype=dtype, scanned=scanned)
+  return fused_stack.run(params, x, rope, mask, depth=depth, num_heads=num_heads,
+                         causal=causal, dtype=dtype, scanned=scanned)
 
 
 @functools.lru_cache(maxsize=None)
@@ -454,8 +459,8 @@ def _code_text(source: str) -> str:
 _warned = set()
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, info: bool = False) -> None:
   if message not in _warned:
     _warned.add(message)
     from absl import logging
-    logging.warning("%s", message)
+    (logging.info if info else logging.warning)("%s", message)

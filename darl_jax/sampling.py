@@ -205,12 +205,18 @@ class Sampler:
 
   def prefill(self, backbone_params, tokens: jax.Array):
     """Runs ``[SOS, tokens]`` (``tokens [B, m, P]`` = ordered patches 0..m-1)
-    into a fresh cache. Returns ``(z [B, D], cache)``: ``z`` predicts patch m."""
+    into a fresh cache. Returns ``(z [B, D], cache)``: ``z`` predicts patch m.
+    A prefix-causal model (``model.prefix``) reads the known patches as its
+    prefix: they attend to each other both ways, as in its pretraining."""
     m = tokens.shape[1]
     rows, cols, index = self._positions(0, m)
+    mask = None
+    if self.model.prefix != "off":
+      # the m + 1 prefilled tokens see each other, and no slot after them
+      mask = (jnp.arange(self.backbone.cache_len) <= m)[None, None, None]
     out, variables = self.backbone.apply(
         {"params": backbone_params}, tokens.astype(self.backbone.dtype), rows, cols,
-        index, self.grid_hw, prepend_sos=True, mutable=["cache"])
+        index, self.grid_hw, prepend_sos=True, mask=mask, mutable=["cache"])
     return out["features"][:, -1], variables["cache"]
 
   def decode_step(self, backbone_params, cache, patch: jax.Array, k):

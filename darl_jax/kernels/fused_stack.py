@@ -36,7 +36,7 @@ from darl_jax.kernels import per_shard
 # ops.block_digest() of the model block this file implements: when the
 # block's code changes, ops.block_stack runs the plain blocks instead (and
 # says so) until the change is ported here and this is updated.
-WRITTEN_FOR = "495e95fceef9908b"
+WRITTEN_FOR = "2d887c6b06b97eb9"
 
 
 def _norm(p, x, add=None, keep_input: bool = True):
@@ -74,13 +74,13 @@ def _value(branch):
   return product + bias.astype(product.dtype)
 
 
-def _block(p, x, branch, rope, *, causal: bool, dtype):
+def _block(p, x, branch, rope, mask, *, causal: bool, dtype):
   """One block on ``x + branch``: returns ``(x + branch + attention branch,
   the MLP branch as (product, bias))``."""
   x, y = _norm(p["norm1"], x, branch)
   attn = p["attn"]
   heads = ops.self_attention(y.astype(dtype), attn["qkv"]["kernel"], attn["qkv"]["bias"],
-                             rope, causal=causal, dtype=dtype)
+                             rope, causal=causal and mask is None, dtype=dtype, mask=mask)
   y = (ops.dense(heads, attn["out"]["kernel"], dtype=dtype, axes=2), attn["out"]["bias"])
   x, y = _norm(p["norm2"], x, y)
   m = p["mlp"]
@@ -89,16 +89,18 @@ def _block(p, x, branch, rope, *, causal: bool, dtype):
   return x, (y, m["fc2"]["bias"])
 
 
-def run(params, x, rope, *, depth: int, num_heads: int, causal: bool, dtype, scanned: bool):
+def run(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool, dtype,
+        scanned: bool):
   """``{"features": final LN output, "block_XX": block outputs}`` of the
-  stack in ``params`` (a backbone's parameter tree) on tokens ``x``."""
+  stack in ``params`` (a backbone's parameter tree) on tokens ``x``
+  (``mask``: the attention pattern, replacing causal or full)."""
   del num_heads   # read from the parameter shapes
   out = {}
   if scanned:
     zero = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], jnp.float32))
 
     def step(carry, p):
-      x, branch = _block(p, *carry, rope, causal=causal, dtype=dtype)
+      x, branch = _block(p, *carry, rope, mask, causal=causal, dtype=dtype)
       return (x, branch), x + _value(branch)
 
     (x, branch), ys = jax.lax.scan(step, (x, zero), params["blocks"]["block"], length=depth)
@@ -107,7 +109,7 @@ def run(params, x, rope, *, depth: int, num_heads: int, causal: bool, dtype, sca
   else:
     branch = None
     for i in range(depth):
-      x, branch = _block(params[f"block_{i:02d}"], x, branch, rope, causal=causal,
+      x, branch = _block(params[f"block_{i:02d}"], x, branch, rope, mask, causal=causal,
                          dtype=dtype)
       out[f"block_{i:02d}"] = x + _value(branch)
   _, y = _norm(params["norm"], x, branch, keep_input=False)

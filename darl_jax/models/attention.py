@@ -4,7 +4,8 @@
 H, Dh]``, bias ``[3, H, Dh]``) and the output projection (``out``: kernel
 ``[H, Dh, D]``); the two-stream model adds ``query_proj``. Its modes:
 
-- self-attention (the default): causal or full, with an optional mask;
+- self-attention (the default): causal or full; a ``mask`` (``[B or 1, 1,
+  T, T]``, True = attend) replaces that pattern (prefix-causal attention);
 - read-out, ``context=``: tokens that give keys and values only, placed
   before ``x`` under full attention; only ``x``'s outputs are computed (the
   denoising decoder reads one token of two);
@@ -48,14 +49,15 @@ class Attention(nn.Module):
     project_out = lambda o: ops.dense(o, out_kernel, out_bias, dtype=self.dtype, axes=2)
 
     if self.cache_len:
-      return project_out(self._decode(x, qkv_kernel, qkv_bias, rope))
+      return project_out(self._decode(x, qkv_kernel, qkv_bias, rope, mask))
     if context is not None:   # keys and values of [context, x]; queries of x
       q, k, v = self._qkv(x, qkv_kernel, qkv_bias, rope)
       _, k_c, v_c = self._qkv(context, qkv_kernel[:, 1:], qkv_bias[1:], None, queries=False)
       return project_out(ops.attention(q, jnp.concatenate([k_c, k], 1),
                                        jnp.concatenate([v_c, v], 1), causal=False))
     if queries is None:
-      return project_out(ops.self_attention(x, qkv_kernel, qkv_bias, rope, causal=self.causal,
+      return project_out(ops.self_attention(x, qkv_kernel, qkv_bias, rope,
+                                            causal=self.causal and mask is None,
                                             dtype=self.dtype, mask=mask))
     # Query stream: both streams use the causal mask over content positions;
     # for the queries that is "content before the patch it predicts"
@@ -74,11 +76,12 @@ class Attention(nn.Module):
     return (ops.apply_rope(qkv[:, :, 0], rope), ops.apply_rope(qkv[:, :, 1], rope),
             qkv[:, :, 2])
 
-  def _decode(self, x, kernel, bias, rope):
+  def _decode(self, x, kernel, bias, rope, mask=None):
     """Writes the new tokens' keys and values into the cache at
-    ``cache_index`` and attends each new token to the cache up to itself.
-    Writing past ``cache_len`` is not checked inside jit (callers size the
-    cache for the whole sequence)."""
+    ``cache_index`` and attends each new token to the cache up to itself
+    (or as ``mask [B or 1, 1, T, cache_len]`` says: a prefix prefilled with
+    attention among all its tokens). Writing past ``cache_len`` is not
+    checked inside jit (callers size the cache for the whole sequence)."""
     b, t, _ = x.shape
     if t > self.cache_len:
       raise ValueError(f"{t} new tokens do not fit a cache of {self.cache_len}")
@@ -94,6 +97,7 @@ class Attention(nn.Module):
     # Query i of this chunk sits at position start + i and sees slots
     # 0 .. start + i; slots not yet written are masked out. XLA's attention:
     # one query against a masked cache leaves a fused kernel nothing to win.
-    mask = jnp.arange(self.cache_len)[None, :] <= (start + jnp.arange(t))[:, None]
+    if mask is None:
+      mask = (jnp.arange(self.cache_len)[None, :] <= (start + jnp.arange(t))[:, None])[None, None]
     return ops.attention(q, cached_key.value, cached_value.value, causal=False,
-                         mask=mask[None, None], kernels=False)
+                         mask=mask, kernels=False)

@@ -28,6 +28,12 @@ from darl_jax.models import decoders as decoders_lib
 from darl_jax.models import two_stream as two_stream_lib
 from darl_jax.models import vit as vit_lib
 
+# Prefix-causal pretraining (model.prefix): "off", or "uniform": per example
+# a prefix of k ~ U{1, .., N-1} patches that attend to each other both ways,
+# with no loss on them (objectives.prefix_weights).
+PREFIXES = ("off", "uniform")
+
+
 class DARL(nn.Module):
   """Targets and backbone features of a batch; ``decode`` runs the patch decoder.
 
@@ -49,6 +55,7 @@ class DARL(nn.Module):
   predict: str = "x0"
   noise_samples: int = 1
   gamma_bins: int = 10
+  prefix: str = "off"
 
   def make_ordering(self, grid_hw) -> patches_lib.Ordering:
     """The configured ordering of a ``grid_hw`` patch grid."""
@@ -59,7 +66,7 @@ class DARL(nn.Module):
   def two_stream(self) -> bool:
     return isinstance(self.backbone, two_stream_lib.TwoStreamViT)
 
-  def encode(self, images, *, train: bool, perm=None):
+  def encode(self, images, *, train: bool, perm=None, prefix=None):
     """Ordered targets ``[B, N, P]`` and the backbone's output dict
     (``features [B, N, D]``, ``block_XX``).
 
@@ -67,7 +74,9 @@ class DARL(nn.Module):
     ordering. A two-stream model with ``ordering="random"`` draws a fresh
     permutation per example from the ``noise`` rng; a plain model's "random"
     ordering is one fixed permutation (it has no way to know which patch
-    comes next otherwise).
+    comes next otherwise). ``prefix [B]`` (prefix-causal pretraining): the
+    first ``prefix[b]`` patches of example b attend to each other both ways
+    (vit.prefix_causal_mask).
     """
     grid_hw = (images.shape[1] // self.patch_size, images.shape[2] // self.patch_size)
     x = patches_lib.patchify(images, self.patch_size)
@@ -91,13 +100,16 @@ class DARL(nn.Module):
       out = self.backbone(*inputs, query_rows=rows, query_cols=cols, query_index=index,
                           prepend_sos=True, train=train)
     else:
-      out = self.backbone(*inputs, prepend_sos=True, train=train)
+      mask = None if prefix is None else vit_lib.prefix_causal_mask(prefix, n)
+      out = self.backbone(*inputs, prepend_sos=True, train=train, mask=mask)
     return objectives.patch_targets(tokens, self.norm_pix), out
 
-  def __call__(self, images, *, train: bool, perm=None) -> dict:
+  def __call__(self, images, *, train: bool, perm=None, prefix=None) -> dict:
     """``{"target": [B, N, P], "z": [B, N, D], "backbone": the backbone's
-    output dict}``: ``z[:, t]`` predicts ``target[:, t]`` from patches ``< t``."""
-    target, out = self.encode(images, train=train, perm=perm)
+    output dict}``: ``z[:, t]`` predicts ``target[:, t]`` from patches ``< t``
+    (with ``prefix``, for ``t >= prefix`` only: earlier outputs have seen
+    the whole prefix)."""
+    target, out = self.encode(images, train=train, perm=perm, prefix=prefix)
     if self.is_initializing():
       self._init_decoder(out["features"], target.shape[-1])
     return {"target": target, "z": out["features"], "backbone": out}
@@ -129,6 +141,13 @@ def darl_from_config(config) -> DARL:
       config.decoder, patch_dim=patch * patch * config.model.get("channels", 3),
       backbone_width=backbone.width, backbone_heads=backbone.num_heads,
       dtype=backbone.dtype)
+  prefix = config.model.get("prefix", "off")
+  if prefix not in PREFIXES:
+    raise ValueError(f"unknown model.prefix {prefix!r}; valid: {', '.join(PREFIXES)}")
+  if prefix != "off" and (config.model.get("two_stream", False)
+                          or not config.model.get("causal", True)):
+    raise ValueError("model.prefix needs the plain causal backbone (model.causal=True, "
+                     "model.two_stream=False): set model.prefix='off'")
   if decoder.kind == "transformer" and loss_cfg.kind == "mse":
     raise ValueError("decoder.kind='transformer' is a denoising decoder; use it with "
                      "loss.kind='diffusion', or decoder.kind='linear' for MSE")
@@ -145,4 +164,5 @@ def darl_from_config(config) -> DARL:
       noise_a=loss_cfg.get("noise_a", 0.03), noise_b=loss_cfg.get("noise_b", 1.0),
       predict=loss_cfg.get("predict", "x0"),
       noise_samples=loss_cfg.get("noise_samples", 1),
-      gamma_bins=loss_cfg.get("gamma_bins", 10))
+      gamma_bins=loss_cfg.get("gamma_bins", 10),
+      prefix=prefix)

@@ -97,8 +97,8 @@ class ScanBlock(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x, rope):
-    x = Block(**self.block_kwargs, name="block")(x, rope, None, self.deterministic)
+  def __call__(self, x, rope, mask):
+    x = Block(**self.block_kwargs, name="block")(x, rope, mask, self.deterministic)
     return x, x
 
 
@@ -116,6 +116,8 @@ class ViT(nn.Module):
 
   Returns a dict: ``features`` (final LayerNorm output, ``[B, T', D]``) and
   ``block_XX`` (each block's residual-stream output, for per-layer probes).
+  ``mask`` (``[B or 1, 1, T', T']``, True = attend; ``prefix_causal_mask``)
+  replaces the causal or full attention pattern.
 
   ``cache_len > 0`` (``with_cache``): the next tokens of a sequence run
   against a key/value cache (``apply(..., mutable=["cache"])``), giving the
@@ -199,7 +201,7 @@ class ViT(nn.Module):
 
   @nn.compact
   def __call__(self, patches, rows, cols, index, grid_hw, *, prepend_sos: bool = True,
-               train: bool = False):
+               train: bool = False, mask=None):
     if self.cache_len and not self.causal:
       raise ValueError("cached decoding needs a causal backbone (model.causal=True)")
     if self.remat not in ("none", *REMAT_POLICIES):
@@ -212,7 +214,7 @@ class ViT(nn.Module):
         and (self.drop_path == 0 or not train)):
       # The kernels may run the whole stack as one unit on these parameters
       # (ops.block_stack): the same function as the blocks below.
-      out = ops.block_stack(self.variables["params"], x, rope, depth=self.depth,
+      out = ops.block_stack(self.variables["params"], x, rope, mask, depth=self.depth,
                             num_heads=self.num_heads, causal=self.causal, dtype=self.dtype,
                             scanned=self.scan_layers)
       if out is not None:
@@ -223,17 +225,27 @@ class ViT(nn.Module):
           ScanBlock, policy=REMAT_POLICIES[self.remat])
       stack = nn.scan(scan_cls, variable_axes={"params": 0},
                       split_rngs={"params": True, "dropout": True},
-                      in_axes=nn.broadcast, length=self.depth)
-      x, ys = stack(self._block_kwargs(0), not train, name="blocks")(x, rope)
+                      in_axes=(nn.broadcast, nn.broadcast), length=self.depth)
+      x, ys = stack(self._block_kwargs(0), not train, name="blocks")(x, rope, mask)
       out.update({f"block_{i:02d}": ys[i] for i in range(self.depth)})
     else:
       block_cls = Block if self.remat == "none" else nn.remat(
           Block, policy=REMAT_POLICIES[self.remat], static_argnums=(4,))
       for i in range(self.depth):
-        x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(x, rope, None, not train)
+        x = block_cls(**self._block_kwargs(i), name=f"block_{i:02d}")(x, rope, mask, not train)
         out[f"block_{i:02d}"] = x
     out["features"] = layers.LayerNorm(self.dtype, name="norm")(x)
     return out
+
+
+def prefix_causal_mask(prefix, length: int):
+  """Prefix-causal attention over ``length`` tokens ``[SOS, x_0, x_1 ..]``:
+  the SOS token and the first ``prefix[b]`` patches (tokens ``0 ..
+  prefix[b]``) attend to each other both ways, every later token causally.
+  ``prefix [B]`` int -> ``[B, 1, length, length]`` (True = attend)."""
+  i = jnp.arange(length)[:, None]
+  j = jnp.arange(length)[None, :]
+  return (j <= jnp.maximum(i, jnp.asarray(prefix)[:, None, None]))[:, None]
 
 
 def with_cache(vit: ViT, cache_len: int) -> ViT:
