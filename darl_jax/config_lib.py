@@ -97,6 +97,7 @@ def pretrain_config() -> ml_collections.ConfigDict:
       "predict": "x0", "noise_samples": 1, "gamma_bins": 10, "eval_gammas": 8})
   c.predictions = ml_collections.ConfigDict({"num_images": 8, "num_steps": 100})
   c.probe_eval = probe_eval_config()
+  c.fewshot_eval = fewshot_eval_config()
   return c
 
 
@@ -108,6 +109,25 @@ def probe_eval_config() -> ml_collections.ConfigDict:
       "enabled": False, "train_split": "train", "eval_split": "validation",
       "num_train_examples": 5000, "num_eval_examples": 2000, "l2": 1e-3,
       "batch_size": 0})
+
+
+def fewshot_eval_config() -> ml_collections.ConfigDict:
+  """``config.fewshot_eval``: few-shot linear classification as big_vision
+  evaluates during pretraining (train/fewshot.py): closed-form ridge
+  regression of one-hot targets on frozen, mean-pooled features of
+  ``shots`` examples per class drawn from ``support_split`` (one draw per
+  seed ``0 .. num_seeds - 1``), scored on the first ``num_query_examples``
+  of ``query_split``; the L2 strength per fit from ``l2_grid``. Logged as
+  ``val_fewshot_<k>shot`` (mean over seeds) and ``..._std``. ``features``:
+  ``features`` (the backbone's final, normalised output) or ``block_XX``.
+  Off by default; the ``fewshot`` job reads the same keys (without
+  ``enabled``)."""
+  return ml_collections.ConfigDict({
+      "enabled": False, "support_split": "train", "query_split": "validation",
+      "shots": (1, 5, 10, 25), "num_seeds": 3,
+      "num_support_examples": 10_000, "num_query_examples": 2000,
+      "l2_grid": tuple(2.0 ** k for k in range(0, 16, 2)),
+      "features": "features", "batch_size": 0})
 
 
 # The small ViT of every Fashion-MNIST experiment (7x7 patches of 4x4 pixels);
@@ -339,6 +359,10 @@ _RULES = [
     ("probe_eval.num_eval_examples", _int(1), "a positive integer", 2000),
     ("probe_eval.l2", lambda v: v >= 0, "a number >= 0", 1e-3),
     ("probe_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("fewshot_eval.num_seeds", _int(1), "a positive integer", 3),
+    ("fewshot_eval.num_support_examples", _int(1), "a positive integer", 10000),
+    ("fewshot_eval.num_query_examples", _int(1), "a positive integer", 2000),
+    ("fewshot_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
     ("randaugment.num_ops", _int(0), "an integer >= 0 (0: off)", 2),
     ("randaugment.magnitude", lambda v: v >= 0, "a number >= 0", 9.0),
     ("randaugment.magnitude_std", lambda v: v >= 0, "a number >= 0", 0.5),
@@ -350,6 +374,28 @@ _RULES = [
 ]
 
 
+# Lists of numbers: (key, test of each entry, what each must be, an example).
+_LIST_RULES = [
+    ("fewshot_eval.shots", _int(1), "positive integers", "1,5,10,25"),
+    ("fewshot_eval.l2_grid", lambda v: v > 0, "positive numbers", "1.0,1024.0"),
+]
+
+
+def _check_list(config, dotted: str, ok, want: str, example) -> None:
+  node = config
+  for key in dotted.split("."):
+    if not hasattr(node, "keys") or key not in node:
+      return
+    node = node[key]
+  values = node if isinstance(node, (list, tuple)) else None
+  good = bool(values) and all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)
+      for v in values)
+  if not good:
+    raise ConfigError(f"config.{dotted} must be a non-empty list of {want}, got {node!r}: "
+                      f"set --config.{dotted}=({example})")
+
+
 def validate(config) -> None:
   """Fails on the first config value no run can use, with one line naming the
   key and a value that works. Called before anything is written or compiled:
@@ -357,6 +403,8 @@ def validate(config) -> None:
   training has started, and keep_checkpoints=0 would keep no checkpoint."""
   for dotted, ok, want, example in _RULES:
     _check(config, dotted, ok, want, example)
+  for dotted, ok, want, example in _LIST_RULES:
+    _check_list(config, dotted, ok, want, example)
   for op, valid in ops.CHOICES.items():
     value = config.get("kernels", {}).get(op, "auto")
     if value not in valid:

@@ -2,9 +2,10 @@
 
 Runs the job named by ``config.trainer``: a trainer from the explicit registry
 ``trainers()`` (its loss is its ``loss_fn``; pretraining's is
-darl_jax/objectives.py) handed to the shared loop, or the sampling job's own
-driver (train/sample.py). Rerunning the same command on the same workdir
-resumes from the newest complete checkpoint.
+darl_jax/objectives.py) handed to the shared loop, or a job's own driver
+(sampling, train/sample.py; few-shot scoring of a checkpoint,
+train/fewshot.py). Rerunning the same command on the same workdir resumes
+from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -27,27 +28,36 @@ def trainers():
   """name -> Trainer class of the shared loop (train/loop.py); each class owns
   its loss (``loss_fn``). Imported here so a typo fails before any work."""
   from darl_jax.train import pretrain
-  from darl_jax.train import finetune, linear_probe, supervised
+  from darl_jax.train import attentive_probe, finetune, linear_probe, supervised
   return {"pretrain": pretrain.PretrainTrainer,
           "finetune": finetune.FinetuneTrainer,
           "linear_probe": linear_probe.LinearProbeTrainer,
+          "attentive_probe": attentive_probe.AttentiveProbeTrainer,
           "supervised": supervised.SupervisedTrainer}
+
+
+# Jobs with a driver of their own (nothing to train), dispatched by get_job.
+DRIVERS = ("sample", "fewshot")
 
 
 def get_trainer(name: str):
   registry = trainers()
   if name not in registry:
-    raise ValueError(f"unknown trainer {name!r}; valid: {', '.join([*registry, 'sample'])}")
+    raise ValueError(f"unknown trainer {name!r}; valid: {', '.join([*registry, *DRIVERS])}")
   return registry[name]
 
 
 def get_job(name: str):
-  """``config.trainer`` -> ``run(config, workdir)``: sampling has a driver of
-  its own (train/sample.py, nothing to train); every other name is a Trainer
-  run by the shared loop."""
+  """``config.trainer`` -> ``run(config, workdir)``: sampling (train/sample.py)
+  and few-shot scoring of a checkpoint (train/fewshot.py) have drivers of
+  their own, nothing to train; every other name is a Trainer run by the
+  shared loop."""
   if name == "sample":
     from darl_jax.train import sample
     return sample.run
+  if name == "fewshot":
+    from darl_jax.train import fewshot
+    return fewshot.run
   trainer_class = get_trainer(name)
   from darl_jax.train import loop
   return lambda config, workdir: loop.run(trainer_class(config), config, workdir)

@@ -116,16 +116,28 @@ class LayerProbes(nn.Module):
 
   @nn.compact
   def __call__(self, images, *, train: bool = False):
-    grid_hw = (images.shape[1] // self.patch_size, images.shape[2] // self.patch_size)
-    x = patches_lib.patchify(images, self.patch_size).astype(self.backbone.dtype)
-    n = x.shape[1]
-    rows, cols = np.divmod(np.arange(n), grid_hw[1])
-    out = self.backbone(x, rows[None], cols[None], np.arange(1, n + 1)[None], grid_hw,
-                        prepend_sos=True, train=False)   # frozen: no drop path, ever
+    out = frozen_patch_tokens(self.backbone, self.patch_size, images)
     names = block_names(self.backbone.depth)
-    pooled = {k: jax.lax.stop_gradient(out[k][:, 1:].astype(jnp.float32).mean(1))
-              for k in names}
+    pooled = {k: out[k].mean(1) for k in names}
     return Probes(names, self.num_classes, name="probes")(pooled, train)
+
+
+def frozen_patch_tokens(backbone: vit_lib.ViT, patch_size: int, images) -> dict:
+  """The frozen backbone's outputs at the patch tokens: ``{block_XX, features:
+  [B, N, D]}`` float32, gradient-stopped.
+
+  Runs ``backbone`` (called from a compact module, so its parameters sit
+  under that module's ``backbone``) on ``[SOS, x_0 .. x_{N-1}]`` in raster
+  order, every patch an input, with no drop path; the SOS output is left
+  out. The probes of linear_probe.py and attentive_probe.py read it.
+  """
+  grid_hw = (images.shape[1] // patch_size, images.shape[2] // patch_size)
+  x = patches_lib.patchify(images, patch_size).astype(backbone.dtype)
+  n = x.shape[1]
+  rows, cols = np.divmod(np.arange(n), grid_hw[1])
+  out = backbone(x, rows[None], cols[None], np.arange(1, n + 1)[None], grid_hw,
+                 prepend_sos=True, train=False)   # frozen: no drop path, ever
+  return {k: jax.lax.stop_gradient(v[:, 1:].astype(jnp.float32)) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------- trainer
@@ -185,15 +197,19 @@ class LinearProbeTrainer(loop.Trainer):
         logits[last], jax.nn.one_hot(labels, model.num_classes))
     return out
 
-  def finalize(self, ctx, model, state):
-    """Evaluates every probe once more and writes the per-layer report and plot."""
+  def final_scores(self, ctx, model, state) -> dict:
+    """``eval_fn``'s metrics over the eval split, for the reports ``finalize`` writes."""
     def eval_step(params, model_state, batch):
       out = self.eval_fn(model, params, model_state, batch, None)
       mask = batch["mask"].astype(jnp.float32)
       return {k: jnp.sum(v * mask) for k, v in out.items()}
 
-    scores = loop.evaluate(self, model, state, ctx.eval_source, jax.jit(eval_step),
-                           sharding_lib.batch_sharding(ctx.mesh), self.config)
+    return loop.evaluate(self, model, state, ctx.eval_source, jax.jit(eval_step),
+                         sharding_lib.batch_sharding(ctx.mesh), self.config)
+
+  def finalize(self, ctx, model, state):
+    """Evaluates every probe once more and writes the per-layer report and plot."""
+    scores = self.final_scores(ctx, model, state)
     names = block_names(model.backbone.depth)
     report = probe_report({k: scores[f"accuracy_{k}"] for k in names})
     step = int(jax.device_get(state["step"]))
@@ -286,8 +302,9 @@ def collect_features(features_fn, params, source, batch_size: int, max_examples:
   return np.concatenate(feats)[:n], np.concatenate(labels)[:n]
 
 
-def darl_pooled_features(model, params, images):
-  """Mean over the patch positions of a DARL model's final features: ``[B, D]``.
+def darl_pooled_features(model, params, images, name: str = "features"):
+  """Mean over the patch positions of a DARL model's output ``name``
+  (``features``: the final, normalised one; ``block_XX``: a block's): ``[B, D]``.
 
   ``DARL.encode`` runs the backbone on ``[SOS, x_0 .. x_{N-2}]`` as in
   pretraining; the SOS output is left out of the mean.
@@ -295,7 +312,9 @@ def darl_pooled_features(model, params, images):
   from darl_jax.models import darl as darl_lib
   _, out = model.apply({"params": params}, images, train=False,
                        method=darl_lib.DARL.encode)
-  return out["features"][:, 1:].astype(jnp.float32).mean(1)
+  if name not in out:
+    raise ValueError(f"the model has no output {name!r}; valid: {', '.join(sorted(out))}")
+  return out[name][:, 1:].astype(jnp.float32).mean(1)
 
 
 class RidgeProbe:

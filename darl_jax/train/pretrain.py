@@ -28,6 +28,10 @@ class PretrainTrainer(loop.Trainer):
 
   def build_model(self, ctx):
     loop.check_image_shape(self.config, ctx.train_source)
+    fewshot_cfg = self.config.get("fewshot_eval")
+    if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
+      from darl_jax.train import fewshot   # a wrong feature name fails before training
+      fewshot.check_features_name(fewshot_cfg.features, fewshot.model_depth(self.config.model))
     return darl_lib.darl_from_config(self.config)
 
   def init_variables(self, model, rng, batch):
@@ -54,15 +58,25 @@ class PretrainTrainer(loop.Trainer):
     return {"loss": metrics["per_example_loss"]}
 
   def extra_eval(self, ctx, model, state):
-    """``probe_accuracy``: a ridge probe on frozen features, when ``probe_eval.enabled``."""
+    """Evaluators on frozen features, each when its section is enabled:
+    ``probe_accuracy`` (a ridge probe, ``probe_eval``) and
+    ``fewshot_<k>shot`` / ``fewshot_<k>shot_std`` (few-shot ridge
+    regression as big_vision evaluates it, ``fewshot_eval``; train/fewshot.py)."""
+    scores = {}
     probe_cfg = self.config.get("probe_eval")
-    if probe_cfg is None or not probe_cfg.get("enabled", False):
-      return {}
-    if getattr(self, "_ridge_probe", None) is None:
-      from darl_jax.train import linear_probe
-      self._ridge_probe = linear_probe.RidgeProbe(
-          self.config, ctx.mesh, lambda p, x: linear_probe.darl_pooled_features(model, p, x))
-    return self._ridge_probe(state["params"])
+    if probe_cfg is not None and probe_cfg.get("enabled", False):
+      if getattr(self, "_ridge_probe", None) is None:
+        from darl_jax.train import linear_probe
+        self._ridge_probe = linear_probe.RidgeProbe(
+            self.config, ctx.mesh, lambda p, x: linear_probe.darl_pooled_features(model, p, x))
+      scores.update(self._ridge_probe(state["params"]))
+    fewshot_cfg = self.config.get("fewshot_eval")
+    if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
+      if getattr(self, "_fewshot", None) is None:
+        from darl_jax.train import fewshot
+        self._fewshot = fewshot.from_pretrain_config(self.config, ctx.mesh, model)
+      scores.update(self._fewshot(state["params"]))
+    return scores
 
   def finalize(self, ctx, model, state):
     """Writes ``predictions.png``: originals beside teacher-forced predictions."""
