@@ -28,8 +28,8 @@ Two entry points:
   multi-host job must call ``save``/``restore`` collectively; Orbax decides
   which host writes what).
 * :func:`restore_params` -- used for transfer / fine-tuning and evaluation: it
-  needs no model, mesh or abstract state and returns ``state["params"]`` as
-  host numpy arrays.
+  needs no model, mesh or abstract state and returns ``state["params"]`` (or,
+  by choice, the EMA of them a run kept: ``use_ema``) as host numpy arrays.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from darl_jax import ema as ema_lib
 from darl_jax import interrupts
 
 # Item names inside each step directory. Kept as constants because
@@ -408,6 +409,10 @@ class Checkpointer:
     """``(step, state, meta)`` of the newest checkpoint that restores; None if
     there is none.
 
+    ``abstract_state`` may also be a function of the checkpoint's state tree
+    (Orbax metadata, None where it does not read) giving the abstract state
+    to restore it as, for a run that reads an earlier layout of its state.
+
     Walks back from the newest step. A checkpoint that cannot be read (its
     meta, its state metadata or its arrays) is damaged: it is moved aside
     (``_move_aside``), logged with the reason, and the previous one is tried.
@@ -431,8 +436,9 @@ class Checkpointer:
         saved = getattr(saved, "tree", saved)
       except Exception:  # pylint: disable=broad-except
         saved = None     # judged by the restore below
+      target = abstract_state(saved) if callable(abstract_state) else abstract_state
       if saved is not None:
-        diff = state_difference(saved, abstract_state)
+        diff = state_difference(saved, target)
         if diff:
           error = StateMismatchError(
               f"the checkpoint at step {step} in {self._directory} holds another "
@@ -440,7 +446,7 @@ class Checkpointer:
           error.meta = meta      # the caller names the config keys that changed
           raise error
       try:
-        state, meta = self.restore(step, abstract_state)
+        state, meta = self.restore(step, target)
       except Exception as e:  # pylint: disable=broad-except
         skipped.append((step, f"its state cannot be read: {_short(e)}"))
         self._move_aside(step, skipped[-1][1])
@@ -493,8 +499,8 @@ def _resolve_checkpoint_dir(path: epath.Path,
   return path, step
 
 
-def restore_params(path_or_workdir: str, *,
-                   step: int | None = None) -> tuple[Any, dict]:
+def restore_params(path_or_workdir: str, *, step: int | None = None,
+                   use_ema: bool | None = False) -> tuple[Any, dict]:
   """Loads ``state["params"]`` of a DARL checkpoint onto host as numpy arrays.
 
   Args:
@@ -503,10 +509,15 @@ def restore_params(path_or_workdir: str, *,
     step: which step to load from a workdir / checkpoints directory; None means
       the newest checkpoint that reads (damaged newer ones are skipped with a
       warning, and left in place).
+    use_ema: False: the parameters; True: the EMA of the parameters
+      (darl_jax/ema.py; ``ema.MissingEmaError`` where the checkpoint has
+      none); None: the EMA where the checkpoint has one, else the parameters.
 
   Returns:
     ``(params, meta)``: params as nested dicts of ``np.ndarray`` (dtypes as
-    saved, e.g. bfloat16 stays bfloat16) and the checkpoint's JSON metadata.
+    saved, e.g. bfloat16 stays bfloat16; the EMA's float32) and the
+    checkpoint's JSON metadata, plus ``restored_weights``: ``"ema"`` or
+    ``"params"``, which of the two was read.
 
   No model, mesh or abstract state is needed: the tree structure comes from the
   checkpoint's own metadata, arrays are read whole on every host regardless of
@@ -519,13 +530,13 @@ def restore_params(path_or_workdir: str, *,
     problems = []
     for s in candidates:
       try:
-        params, meta = _read_params(manager, ckpt_dir, s)
+        params, meta, weights = _read_params(manager, ckpt_dir, s, use_ema)
       except CheckpointDamagedError as e:
         problems.append(str(e))
         if step is None:
           logging.warning("skipping %s", e)
         continue
-      return params, dict(meta) if meta is not None else {}
+      return params, {**(dict(meta) if meta is not None else {}), "restored_weights": weights}
   finally:
     manager.close()
   if step is not None:
@@ -590,9 +601,10 @@ def _open_reader(path_or_workdir: str, step: int | None):
   return manager, ckpt_dir, step, ([int(step)] if step is not None else steps[::-1])
 
 
-def _read_params(manager, ckpt_dir, step: int):
-  """``(params, meta)`` of one step; CheckpointDamagedError if it cannot be
-  read, KeyError if it reads but holds no ``params`` (not a DARL state)."""
+def _read_params(manager, ckpt_dir, step: int, use_ema: bool | None = False):
+  """``(params, meta, "params" | "ema")`` of one step (``use_ema`` as in
+  restore_params); CheckpointDamagedError if it cannot be read, KeyError if
+  it reads but holds no ``params`` (not a DARL state)."""
   where = f"checkpoint {ckpt_dir}/{step}"
   try:
     metadata = manager.item_metadata(step)[STATE_ITEM]
@@ -607,7 +619,20 @@ def _read_params(manager, ckpt_dir, step: int):
     keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
     raise KeyError(f"checkpoint {ckpt_dir}/{step} has no 'params' in its "
                    f"state (top-level keys: {keys})")
-  wanted = {"params": tree["params"]}
+  # The EMA: state["ema"], or model_state["ema"] of earlier fine-tuning runs.
+  legacy = "ema" not in tree and ema_lib.is_legacy(tree)
+  has_ema = "ema" in tree or legacy
+  if use_ema and not has_ema:
+    raise ema_lib.MissingEmaError(
+        f"checkpoint {ckpt_dir}/{step} holds no EMA of the parameters (its run had "
+        "ema_decay=0; training with --config.ema_decay=0.9999 keeps one)")
+  use_ema = has_ema if use_ema is None else bool(use_ema)
+  if not use_ema:
+    wanted = {"params": tree["params"]}
+  elif legacy:
+    wanted = {"model_state": {"ema": tree["model_state"]["ema"]}}
+  else:
+    wanted = {"ema": tree["ema"]}
   restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
   try:
@@ -620,7 +645,12 @@ def _read_params(manager, ckpt_dir, step: int):
         }))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointDamagedError(f"{where} is damaged: {_short(e)}") from e
-  return restored[STATE_ITEM]["params"], restored[META_ITEM]
+  state, meta = restored[STATE_ITEM], restored[META_ITEM]
+  if not use_ema:
+    return state["params"], meta, "params"
+  ema = state["ema"] if not legacy else ema_lib.from_legacy(
+      state["model_state"]["ema"], ((meta or {}).get("config") or {}).get("ema_decay", 0.0))
+  return ema_lib.host_average(ema, where), meta, "ema"
 
 
 def stored_config(path_or_workdir: str, meta: dict) -> dict:

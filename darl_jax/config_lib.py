@@ -40,6 +40,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.stop_after_steps = 0         # > 0: leave after this many steps (checkpointed)
   c.skip_nonfinite = False
+  # > 0: keep an exponential moving average of the parameters in the train
+  # state (darl_jax/ema.py; MAR's 0.9999), checkpointed with it; with
+  # eval_with_ema, evaluation, its probes and the final artifacts use it.
+  c.ema_decay = 0.0
+  c.eval_with_ema = True
   # JAX's persistent compilation cache, so that a rerun or a resumed run skips
   # most of its compilation; "" turns it off. JAX_COMPILATION_CACHE_DIR in the
   # environment wins over this key.

@@ -1,7 +1,8 @@
 """Export a DARL backbone (and optionally its patch decoder) to safetensors + JSON.
 
     python -m darl_jax.export --checkpoint=<workdir | checkpoints dir | step dir> \\
-        --out=<file>.safetensors [--with_decoder] [--step=N] [--config_json=<path>]
+        --out=<file>.safetensors [--with_decoder] [--step=N] [--config_json=<path>] \
+        [--use_ema | --no-use_ema]
 
 writes ``<file>.safetensors`` (float32 tensors under PyTorch names, see
 ``docs/EXPORT.md``) and ``<file>.json``, the *sidecar*: everything needed to
@@ -16,7 +17,11 @@ Export needs neither PyTorch nor a model: the parameters come from
 checkpoint's meta (the config it was trained with; a ``config.json`` that a
 later command rewrote does not matter; checkpoints from before the meta held
 the config fall back to the workdir's ``config.json``), and the tensors are
-written with ``safetensors.numpy``.
+written with ``safetensors.numpy``. The weights are the checkpoint's EMA of
+the parameters where it has one (``config.ema_decay > 0``; darl_jax/ema.py),
+else its parameters: ``--use_ema`` insists on the EMA (an error where there
+is none), ``--no-use_ema`` takes the parameters; the sidecar's ``source``
+records which (``weights``).
 
 Name and layout conventions (Flax -> PyTorch):
 
@@ -350,12 +355,15 @@ def export_params(params: dict, config: dict, out: str, *, with_decoder: bool = 
 
 
 def export(checkpoint: str, out: str, *, with_decoder: bool = False,
-           step: int | None = None, config_json: str | None = None):
+           step: int | None = None, config_json: str | None = None,
+           use_ema: bool | None = None):
   """Reads a DARL checkpoint and its config and writes the export (see module doc).
 
   The config is ``config_json`` if given, else the one stored in the
-  checkpoint (``checkpoint.stored_config``)."""
+  checkpoint (``checkpoint.stored_config``). ``use_ema``: the checkpoint's
+  EMA weights (True), its parameters (False); None: the EMA where it has one."""
   from darl_jax import checkpoint as checkpoint_lib
+  from darl_jax import ema as ema_lib
 
   if config_json:
     config = load_config(config_json)
@@ -363,9 +371,11 @@ def export(checkpoint: str, out: str, *, with_decoder: bool = False,
   elif not epath.Path(checkpoint).exists():
     raise ExportError(f"no DARL checkpoint at {checkpoint}: the path does not exist")
   try:
-    params, meta = checkpoint_lib.restore_params(checkpoint, step=step)
+    params, meta = checkpoint_lib.restore_params(checkpoint, step=step, use_ema=use_ema)
   except FileNotFoundError as e:     # its message names what was expected
     raise ExportError(str(e)) from e
+  except ema_lib.MissingEmaError as e:
+    raise ExportError(f"{e}: leave out --use_ema to export its parameters") from e
   except KeyError as e:              # a checkpoint whose state has no params
     raise ExportError(f"not a DARL checkpoint: {e.args[0]}") from e
   except checkpoint_lib.CheckpointDamagedError as e:
@@ -376,7 +386,8 @@ def export(checkpoint: str, out: str, *, with_decoder: bool = False,
                             f"the config of {checkpoint}")
     except (FileNotFoundError, ValueError) as e:
       raise ExportError(f"{e}; or give the config with --config_json=<path>") from e
-  source = {"checkpoint": str(checkpoint), "step": meta.get("step", step)}
+  source = {"checkpoint": str(checkpoint), "step": meta.get("step", step),
+            "weights": meta.get("restored_weights", "params")}
   return export_params(params, config, out, with_decoder=with_decoder, source=source)
 
 
@@ -395,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config_json", default=None,
                       help="a config.json to use instead of the config stored in the "
                            "checkpoint (needed only for checkpoints that lack it)")
+  parser.add_argument("--use_ema", action=argparse.BooleanOptionalAction, default=None,
+                      help="export the checkpoint's EMA of the parameters (--no-use_ema: "
+                           "its parameters); default: the EMA where the checkpoint has one")
   args = parser.parse_args(argv)
   from darl_jax import checkpoint as checkpoint_lib
   checkpoint_lib.drop_closed_loop_reports()
   try:
     st_path, json_path = export(args.checkpoint, args.out, with_decoder=args.with_decoder,
-                                step=args.step, config_json=args.config_json)
+                                step=args.step, config_json=args.config_json,
+                                use_ema=args.use_ema)
   except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

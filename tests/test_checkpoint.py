@@ -134,7 +134,7 @@ def test_reshard_across_devices_and_load_on_other_topology(tmp_path):
   assert "RESHARD_OK" in proc.stdout, proc.stderr[-3000:]
   params, meta = restore_params(str(tmp_path / "wd"))
   np.testing.assert_array_equal(params["x"], np.arange(32.0).reshape(8, 4))
-  assert meta == {"n": 2}
+  assert meta == {"n": 2, "restored_weights": "params"}
 
 
 def test_async_save_then_wait_is_visible_to_other_readers(tmp_path):
@@ -287,21 +287,21 @@ def _workdir(tmp_path):
 def test_restore_params_from_workdir_and_step_dir(workdir):
   wd, state, state2 = workdir
   params, meta = restore_params(str(wd))  # latest
-  assert meta == {"step": 200}
+  assert meta == {"step": 200, "restored_weights": "params"}
   assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
   _assert_trees_equal(params, state2["params"])
   assert params["embed"].dtype == jnp.bfloat16
 
   params, meta = restore_params(str(wd), step=100)
-  assert meta == {"step": 100}
+  assert meta == {"step": 100, "restored_weights": "params"}
   _assert_trees_equal(params, state["params"])
 
   params, meta = restore_params(str(wd / "checkpoints" / "100"))
-  assert meta == {"step": 100}
+  assert meta == {"step": 100, "restored_weights": "params"}
   _assert_trees_equal(params, state["params"])
 
   params, meta = restore_params(str(wd / "checkpoints"))
-  assert meta == {"step": 200}
+  assert meta == {"step": 200, "restored_weights": "params"}
 
   with pytest.raises(FileNotFoundError, match="step 300 not found"):
     restore_params(str(wd), step=300)
@@ -389,7 +389,7 @@ def test_restore_walks_back_past_a_damaged_newest_checkpoint(three_checkpoints, 
 
   # Readers skip it (and leave it where it is) ...
   params, meta = restore_params(str(tmp_path))
-  assert meta == {"step": 2}
+  assert meta == {"step": 2, "restored_weights": "params"}
   _assert_trees_equal(params, jax.device_get(expected["params"]))
   assert (d / "3").exists()
   with pytest.raises(CheckpointDamagedError, match=f"{d}/3 is damaged"):

@@ -144,20 +144,6 @@ def test_trainer_defaults_num_layers_to_the_backbone_depth():
   assert c.optim.num_layers == 2
 
 
-def test_ema_is_debiased_and_used_for_evaluation():
-  c = tiny_finetune_config()
-  c.ema_decay = 0.5
-  trainer = finetune.FinetuneTrainer(c)
-  p0, p1 = {"w": jnp.asarray(2.0)}, {"w": jnp.asarray(4.0)}
-  state = {"ema": {"params": {"w": jnp.asarray(0.0)}, "count": jnp.asarray(0)}}
-  assert float(trainer.eval_params(p0, state)["w"]) == 2.0        # no update yet: params
-  state = trainer.update_ema(p0, state)
-  assert float(trainer.eval_params(p1, state)["w"]) == pytest.approx(2.0)   # debiased start
-  state = trainer.update_ema(p1, state)
-  # (0.5 * 0.5 * 2 + 0.5 * 4) / (1 - 0.25) = 3.333
-  assert float(trainer.eval_params(p1, state)["w"]) == pytest.approx(10 / 3)
-
-
 def test_supervised_config_and_no_checkpoint():
   c = experiment("supervised_in1k", "posenc=learned,causal=True")
   assert c.trainer == "supervised" and c.model.posenc == "learned" and c.model.causal

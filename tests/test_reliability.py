@@ -415,6 +415,25 @@ def test_first_window_after_a_resume_covers_the_steps_it_says(tmp_path):
     np.testing.assert_allclose(b[6][key], a[6][key], rtol=1e-5)
 
 
+def test_a_resumed_run_with_an_ema_equals_the_uninterrupted_one(tmp_path):
+  """The EMA of the parameters is checkpointed with the state: stopped and
+  resumed, a run ends with the same losses, parameters and EMA, bit for bit."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  common = {"total_steps": 6, "checkpoint_every_steps": 4, "ema_decay": 0.9}
+  train(straight, **common)
+  train(resumed, stop_after_steps=3, **common)          # a checkpoint at 3
+  train(resumed, **common)
+  a = {r["step"]: r["loss"] for r in records(straight)}
+  b = {r["step"]: r["loss"] for r in records(resumed)}
+  assert a == b and sorted(a) == list(range(1, 7))
+  for use_ema in (False, True):
+    want, _ = checkpoint_lib.restore_params(str(straight), use_ema=use_ema)
+    got, meta = checkpoint_lib.restore_params(str(resumed), use_ema=use_ema)
+    assert meta["step"] == 6 and meta["restored_weights"] == ("ema" if use_ema else "params")
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_nonfinite_error_names_the_step_as_logged(tmp_path):
   class NaN(pretrain.PretrainTrainer):
     def loss_fn(self, model, params, model_state, batch, rng, train):

@@ -261,7 +261,9 @@ def run(config, workdir: str) -> dict:
     ops.configure(config.get("kernels"), pre.model.get("dtype", "float32"))
     mesh = sharding_lib.make_mesh(config.mesh)
     model = darl_lib.darl_from_config(pre)
-    params, meta = checkpoint_lib.restore_params(config.init_from, step=step)
+    # the EMA of the parameters where the checkpoint has one, unless use_ema says
+    params, meta = checkpoint_lib.restore_params(config.init_from, step=step,
+                                                 use_ema=config.get("use_ema", None))
     image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
     sample.check_params(model, image_shape, params)
     writer.start(None, config.to_dict())

@@ -9,7 +9,9 @@ full attention by default (``model.causal=False``; the paper's ablation
 image descriptor (``head.readout="last"``, or ``"mean"``), RandAugment(9, 0.5)
 on the host, mixup 0.8 / cutmix 1.0 (switch 0.5) and label smoothing 0.1 on
 device, AdamW (0.9, 0.95), weight decay 0.05, layer-wise lr decay 0.75,
-cosine with 5 warm-up epochs, optional EMA of the weights.
+cosine with 5 warm-up epochs, optional EMA of the weights (``ema_decay``,
+kept and evaluated with by the shared loop for every trainer: train/loop.py,
+darl_jax/ema.py).
 
 Learning rate. The table gives "Learning rate 1e-3 (H: 3e-3)" while the
 pretraining and supervised tables say "Base learning rate" with "Learning rate
@@ -17,13 +19,9 @@ scaling: True". We read the fine-tuning value literally, as the peak rate
 (``optim.lr_scaling=False``). MAE's convention would scale it by batch/256;
 ``--config.optim.lr_scaling=True`` gives that reading.
 
-EMA. ``ema_decay > 0`` keeps an exponential moving average of the parameters
-in ``model_state["ema"]`` and evaluates with it. It is updated inside the loss
-from the parameters *before* the step's update (the loss is the only place a
-trainer sees parameters during training), i.e. it lags one step, which is
-immaterial at decays of 0.999+. It starts from zeros and is debiased
-(``ema / (1 - decay ** count)``), so it needs no copy of the restored weights
-and starts exactly at them.
+Weights read from ``init_from``: the pretraining run's EMA where its
+checkpoint has one (``use_ema=None``), or as ``use_ema`` says (True: the EMA,
+an error where there is none; False: the raw parameters).
 """
 
 from __future__ import annotations
@@ -32,8 +30,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from absl import logging
+from ml_collections.config_dict import placeholder
 
 from darl_jax import config_lib
+from darl_jax import ema as ema_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax import data as data_lib
 from darl_jax.data import mixup as mixup_lib
@@ -60,7 +60,7 @@ def finetune_config() -> ml_collections.ConfigDict:
   c.mixup = ml_collections.ConfigDict({
       "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "switch_prob": 0.5, "prob": 1.0})
   c.label_smoothing = 0.1
-  c.ema_decay = 0.0           # > 0: evaluate with an EMA of the weights
+  c.use_ema = placeholder(bool)   # init_from's EMA weights; None: where it has them
   # Also evaluate at these resolutions (no further training), logged as
   # val_accuracy_at_<size>: the paper's "evaluate with resolution 384" rows.
   # Positions are interpolated onto the trained grid (model.reference_image_size)
@@ -101,9 +101,14 @@ def restore_backbone(ctx, config, params):
     logging.info("init_from is empty: the backbone starts from random initialisation")
     return params
   step = config.get("init_step", -1)
-  merged, report = transfer.restore_into(params, init_from,
-                                         step=None if step is None or step < 0 else step,
-                                         model_config=config.get("model"))
+  try:
+    merged, report = transfer.restore_into(params, init_from,
+                                           step=None if step is None or step < 0 else step,
+                                           model_config=config.get("model"),
+                                           use_ema=config.get("use_ema", None))
+  except ema_lib.MissingEmaError as e:
+    raise ema_lib.MissingEmaError(
+        f"{e}: leave out --config.use_ema to load its parameters") from None
   transfer.write_report(ctx.workdir, report)
   return merged
 
@@ -141,12 +146,7 @@ class FinetuneTrainer(loop.Trainer):
                             readout=cfg.head.readout, sos=cfg.head.sos)
 
   def init_variables(self, model, rng, batch):
-    params = model.init({"params": rng}, batch["image"], train=False)["params"]
-    variables = {"params": params}
-    if self.config.get("ema_decay", 0.0) > 0:
-      variables["ema"] = {"params": jax.tree_util.tree_map(jnp.zeros_like, params),
-                          "count": jnp.zeros((), jnp.int32)}
-    return variables
+    return {"params": model.init({"params": rng}, batch["image"], train=False)["params"]}
 
   def load_pretrained(self, ctx, params):
     return restore_backbone(ctx, self.config, params)
@@ -169,31 +169,11 @@ class FinetuneTrainer(loop.Trainer):
                             rngs={"dropout": drop_rng})
     loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, targets))
     accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    new_state = self.update_ema(params, model_state) if train else model_state
-    return loss, ({"train_accuracy": accuracy}, new_state)
-
-  def update_ema(self, params, model_state):
-    decay = self.config.get("ema_decay", 0.0)
-    if decay <= 0:
-      return model_state
-    ema = model_state["ema"]
-    new = jax.tree_util.tree_map(
-        lambda e, p: decay * e + (1.0 - decay) * jax.lax.stop_gradient(p).astype(e.dtype),
-        ema["params"], params)
-    return {**model_state, "ema": {"params": new, "count": ema["count"] + 1}}
-
-  def eval_params(self, params, model_state):
-    """The EMA weights (debiased) when enabled and updated at least once, else ``params``."""
-    decay = self.config.get("ema_decay", 0.0)
-    if decay <= 0:
-      return params
-    count = model_state["ema"]["count"]
-    scale = 1.0 / (1.0 - decay ** jnp.maximum(count, 1).astype(jnp.float32))
-    return jax.tree_util.tree_map(lambda e, p: jnp.where(count > 0, e * scale, p),
-                                  model_state["ema"]["params"], params)
+    return loss, ({"train_accuracy": accuracy}, model_state)
 
   def extra_eval(self, ctx, model, state):
-    """Accuracy at each of ``config.eval_image_sizes`` with the current weights."""
+    """Accuracy at each of ``config.eval_image_sizes`` with the weights
+    evaluation uses (the EMA's with ``eval_with_ema``)."""
     return {f"accuracy_at_{size}": self.accuracy_at(ctx, model, state, int(size))
             for size in self.config.get("eval_image_sizes", None) or ()}
 
@@ -219,8 +199,8 @@ class FinetuneTrainer(loop.Trainer):
 
   def eval_fn(self, model, params, model_state, batch, rng):
     del rng
-    logits, _ = model.apply({"params": self.eval_params(params, model_state)},
-                            batch["image"], train=False)
+    del model_state
+    logits, _ = model.apply({"params": params}, batch["image"], train=False)
     labels = batch["label"]
     loss = mixup_lib.soft_cross_entropy(logits, jax.nn.one_hot(labels, model.num_classes))
     return {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),

@@ -5,9 +5,14 @@ model and optimizer -> sharded state, built under jit from ``jax.eval_shape``,
 never on the host -> jitted steps; the benchmarks call it too) -> resume ->
 loop (log, evaluate, checkpoint) -> trainer artifacts.
 
-State is a dict ``{step, params, opt_state, model_state, bad_step}``:
-``model_state`` holds non-trained collections (e.g. BatchNorm statistics),
-``bad_step`` the first step whose loss or gradient was non-finite (-1 if none).
+State is a dict ``{step, params, opt_state, model_state, bad_step}``, and
+``ema`` with ``config.ema_decay > 0``: ``model_state`` holds non-trained
+collections (e.g. BatchNorm statistics), ``bad_step`` the first step whose
+loss or gradient was non-finite (-1 if none), ``ema`` the exponential moving
+average of the parameters (darl_jax/ema.py; sharded as they are), updated
+after each step's update. With ``eval_with_ema`` (the default) evaluation,
+``extra_eval`` and ``finalize`` see the averaged parameters as
+``state["params"]``.
 Steps are numbered one way everywhere: step n is the update that makes the
 step counter n, and metrics.jsonl's record ``step: n`` covers it.
 A non-finite step leaves the state untouched, so no NaN can reach a checkpoint;
@@ -38,6 +43,7 @@ from etils import epath
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
 from darl_jax import data as data_lib
+from darl_jax import ema as ema_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
@@ -176,13 +182,15 @@ def on_mesh(fn: Callable, mesh) -> Callable:
   return traced_on_mesh
 
 
-def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None) -> Callable:
+def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
+                    ema_decay: float = 0.0) -> Callable:
   """The (unjitted) update ``(state, batch) -> (state, metrics)``.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
-  and records its index in ``bad_step``. Shared by the loop and the benchmarks.
-  ``mesh``: the mesh the step is jitted for (its batch split is the kernels',
-  see on_mesh); None for one device.
+  (EMA included) and records its index in ``bad_step``. Shared by the loop
+  and the benchmarks. ``mesh``: the mesh the step is jitted for (its batch
+  split is the kernels', see on_mesh); None for one device. ``ema_decay > 0``:
+  the state has an ``ema``, which averages in the updated parameters.
   """
 
   @functools.partial(on_mesh, mesh=mesh)
@@ -210,6 +218,8 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None) 
         "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"] + 1,
                               state["bad_step"]),
     }
+    if ema_decay > 0:
+      new_state["ema"] = keep(ema_lib.update(state["ema"], params, ema_decay), state["ema"])
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
     # The parameter norm is not a per-step metric: it is read from the state
     # when metrics are logged (run), so that the step does not read every
@@ -238,17 +248,64 @@ def make_eval_step(trainer: Trainer, model, base_rng, mesh=None) -> Callable:
   return eval_step
 
 
-def init_state_fn(trainer: Trainer, model, tx, init_batch) -> Callable:
-  """``rng -> state``: parameters, optimizer state, model state, counters."""
+def init_state_fn(trainer: Trainer, model, tx, init_batch, ema_decay: float = 0.0) -> Callable:
+  """``rng -> state``: parameters, optimizer state, model state, counters and
+  (``ema_decay > 0``) an empty EMA, which needs no copy of the parameters
+  (darl_jax/ema.py): pretrained ones swapped in later are averaged from the
+  first step on."""
 
   def init_state(rng):
     variables = dict(trainer.init_variables(model, rng, init_batch))
     params = variables.pop("params")
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt_state": tx.init(params), "model_state": variables,
-            "bad_step": jnp.full((), -1, jnp.int32)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params,
+             "opt_state": tx.init(params), "model_state": variables,
+             "bad_step": jnp.full((), -1, jnp.int32)}
+    if ema_decay > 0:
+      state["ema"] = ema_lib.init(params)
+    return state
 
   return init_state
+
+
+def restore_target(abstract_state: dict, saved) -> dict:
+  """The abstract state to restore a checkpoint whose state tree is ``saved``
+  (Orbax metadata; None where it does not read) as: ``abstract_state``,
+  except that a run with an EMA reads a checkpoint without one (the EMA is
+  turned on at this resume) or with an earlier fine-tuning run's EMA in
+  ``model_state["ema"]``; ``adopt_ema`` then completes the state."""
+  if "ema" not in abstract_state or not isinstance(saved, dict) or "ema" in saved:
+    return abstract_state
+  target = {k: v for k, v in abstract_state.items() if k != "ema"}
+  if ema_lib.is_legacy(saved):
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=abstract_state["step"].sharding)
+    target["model_state"] = {**target["model_state"], "ema": {
+        "params": abstract_state["ema"]["params"], "count": count}}
+  return target
+
+
+def adopt_ema(state: dict, step: int, meta: dict, config, state_shardings) -> dict:
+  """A restored state in this run's layout (see restore_target): an EMA read
+  from ``model_state["ema"]`` moves to ``state["ema"]``; a run that turns the
+  EMA on at this resume starts an empty one (averaged from the next step)."""
+  if "ema" not in state_shardings or "ema" in state:
+    return state
+  state = dict(state)
+  if ema_lib.is_legacy(state):
+    model_state = dict(state["model_state"])
+    legacy = model_state.pop("ema")
+    # The decay the sum was accumulated with: the checkpoint's own.
+    decay = (meta.get("config") or {}).get("ema_decay") or config.ema_decay
+    state["model_state"] = model_state
+    state["ema"] = jax.device_put(ema_lib.from_legacy(legacy, decay), state_shardings["ema"])
+    logging.info("the checkpoint at step %d keeps its EMA in model_state['ema'] (earlier "
+                 "fine-tuning runs); it continues as state['ema']", step)
+  else:
+    state["ema"] = jax.jit(ema_lib.init, out_shardings=state_shardings["ema"])(
+        state["params"])
+    logging.warning("the checkpoint at step %d has no EMA of the parameters: the EMA "
+                    "(ema_decay=%g) starts now, from the current parameters", step,
+                    config.ema_decay)
+  return state
 
 
 def enable_compilation_cache(config) -> None:
@@ -284,6 +341,7 @@ class Setup:
   train_step: Callable           # jitted (state, batch) -> (state, metrics), state donated
   eval_step: Callable            # jitted (params, model_state, batch) -> metric sums
   init_state_fn: Callable        # rng -> state (unjitted)
+  eval_view: Callable            # state -> the state evaluation sees (see eval_view)
 
   def init_state(self) -> dict:
     """A fresh state, built on the mesh (never on the host)."""
@@ -341,25 +399,40 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
                                       steps_per_epoch=steps_per_epoch,
                                       batch_size=config.batch_size)
 
-  init_state = init_state_fn(trainer, model, tx, init_batch)
+  ema_decay = float(config.get("ema_decay", 0.0) or 0.0)
+  init_state = init_state_fn(trainer, model, tx, init_batch, ema_decay)
 
   # ----------------------------------------------------------- sharded state
   abstract_state = jax.eval_shape(init_state, base_rng)
   rules = sharding_lib.check_rules(config.get("sharding", "replicated"))
   state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
+  if "ema" in state_shardings:          # the average lies where its parameters do
+    state_shardings["ema"]["params"] = state_shardings["params"]
   abstract_state = jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract_state, state_shardings)
 
   # --------------------------------------------------------------- the steps
-  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh)
+  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh, ema_decay)
   train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
   return Setup(ctx=ctx, model=model, mesh=mesh, batch_sharding=batch_sharding,
                steps_per_epoch=steps_per_epoch, tx=tx, schedule=schedule, base_rng=base_rng,
                abstract_state=abstract_state, state_shardings=state_shardings,
-               train_step=train_step, eval_step=eval_step, init_state_fn=init_state)
+               train_step=train_step, eval_step=eval_step, init_state_fn=init_state,
+               eval_view=eval_view(config, state_shardings))
+
+
+def eval_view(config, state_shardings) -> Callable[[dict], dict]:
+  """``state -> state`` as evaluation, ``extra_eval`` and ``finalize`` see it:
+  with an EMA (``ema_decay > 0``) and ``eval_with_ema`` (default True) its
+  ``params`` are the averaged ones (a new tree beside the state's; the
+  state itself is unchanged), otherwise the state as it is."""
+  if "ema" not in state_shardings or not config.get("eval_with_ema", True):
+    return lambda state: state
+  averaged = jax.jit(ema_lib.average, out_shardings=state_shardings["params"])
+  return lambda state: {**state, "params": averaged(state["ema"], state["params"])}
 
 
 def run(trainer: Trainer, config, workdir: str) -> dict:
@@ -408,7 +481,8 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   try:
     # The newest checkpoint that restores: damaged ones are moved aside.
     resumed = ckpt.restore_newest(
-        built.abstract_state, lambda meta: config_lib.check_resume_compatible(meta, config))
+        functools.partial(restore_target, built.abstract_state),
+        lambda meta: config_lib.check_resume_compatible(meta, config))
   except checkpoint_lib.StateMismatchError as e:
     changed = config_lib.changed_keys(e.meta, config)
     raise ValueError(
@@ -419,6 +493,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   if resumed is not None:
     start_step, state, resume_meta = resumed
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
+    state = adopt_ema(state, start_step, resume_meta, config, state_shardings)
   else:
     state = built.init_state()
     params = trainer.load_pretrained(ctx, state["params"])
@@ -519,9 +594,11 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
             data_pipeline.resolve_num_workers(config.data.get("num_workers", -1)))
     if config.eval_every_steps and (step % config.eval_every_steps == 0
                                     or step == total_steps):
-      scores = evaluate(trainer, model, state, eval_source, eval_step, batch_sharding,
+      seen = built.eval_view(state)      # the EMA's parameters with eval_with_ema
+      scores = evaluate(trainer, model, seen, eval_source, eval_step, batch_sharding,
                         config)
-      scores.update(trainer.extra_eval(ctx, model, state))
+      scores.update(trainer.extra_eval(ctx, model, seen))
+      del seen
       record.update({f"val_{k}": v for k, v in scores.items()})
       logging.info("step %d eval: %s", step, scores)
       last.update({f"val_{k}": v for k, v in scores.items()})
@@ -538,7 +615,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   feed.close()
   ckpt.wait()
   if stop_at == total_steps:
-    trainer.finalize(ctx, model, host_readable(state, mesh))
+    trainer.finalize(ctx, model, host_readable(built.eval_view(state), mesh))
   ckpt.close()
   writer.close()
   return last

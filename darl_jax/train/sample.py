@@ -11,7 +11,9 @@ optimizer, state or checkpoint, only the workdir contract (a lock,
 1. the config stored in the pretraining run's newest checkpoint (or
    ``init_step``) rebuilds the exact model: variant, positional encoding,
    ordering, decoder, loss and schedule; the same checkpoint gives the
-   parameters (a config.json rewritten by a later command does not matter);
+   parameters (a config.json rewritten by a later command does not matter):
+   its EMA of the parameters where it has one (``sample.use_ema``: True
+   insists on it, False takes the raw parameters);
 2. ``sample.num_images`` images of ``sample.split`` (the pretraining dataset)
    are completed ``sample.num_samples`` times each from the known part
    (``sample.condition``), with ``sample.num_steps`` reverse diffusion steps
@@ -21,9 +23,10 @@ optimizer, state or checkpoint, only the workdir contract (a lock,
    ``samples.npz`` (originals, labels, completions, known mask) and
    ``sample_metrics.json`` (also in metrics.jsonl at step 0): how far the given
    pixels moved (must be 0), the diversity of the completions of one image,
-   their distance to the original and, with ``sample.classifier_steps > 0`` on
-   labelled data, whether a pixel classifier trained here on the training
-   split still recognises each image's class in its completions.
+   their distance to the original, ``used_ema`` (1: the EMA weights) and,
+   with ``sample.classifier_steps > 0`` on labelled data, whether a pixel
+   classifier trained here on the training split still recognises each
+   image's class in its completions.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from PIL import Image
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
 from darl_jax import data as data_lib
+from darl_jax import ema as ema_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
@@ -58,7 +62,9 @@ def sample_config() -> ml_collections.ConfigDict:
   c.trainer = "sample"
   c.total_steps = 0              # nothing is trained
   c.batch_size = 32              # images per compiled sampling call (x num_samples rows)
-  for unused in ("model", "optim", "data"):   # they come from the pretraining run
+  # The model, optimizer and data come from the pretraining run; nothing is
+  # trained, so there is no EMA to keep (sample.use_ema picks the weights).
+  for unused in ("model", "optim", "data", "ema_decay", "eval_with_ema"):
     del c[unused]
   c.init_from = placeholder(str)  # the pretraining workdir (or a checkpoint dir)
   c.init_step = -1                # -1: the newest checkpoint
@@ -68,6 +74,9 @@ def sample_config() -> ml_collections.ConfigDict:
       # Sampling-time overrides of the pretraining config (None: keep it).
       "dtype": placeholder(str), "data_path": placeholder(str),
       "tfds_data_dir": placeholder(str),
+      # The checkpoint's EMA weights (True), its raw parameters (False);
+      # None: the EMA where the checkpoint has one.
+      "use_ema": placeholder(bool),
       "grid_images": 8, "grid_scale": 4,
       # > 0: train a pixel MLP for this many steps and score class retention.
       "classifier_steps": 0, "classifier_batch_size": 256})
@@ -110,7 +119,7 @@ def check_params(model, image_shape, params) -> None:
 def resolve(config) -> tuple[ml_collections.ConfigDict, int]:
   """``(pretraining config, checkpoint step)`` for a sampling ``config``, with
   the ``sample.*`` overrides applied; fails naming the fix before anything
-  is written."""
+  is written (also ``sample.use_ema=True`` on a run without an EMA)."""
   if not config.get("init_from"):
     raise ValueError("the sample job needs --config.init_from=<pretraining workdir>")
   s = config.sample
@@ -119,6 +128,11 @@ def resolve(config) -> tuple[ml_collections.ConfigDict, int]:
                      f"{', '.join(sampling.CONDITIONS)}")
   pre, step = load_pretrain_config(config.init_from,
                                    None if config.init_step < 0 else config.init_step)
+  if s.get("use_ema") and not pre.get("ema_decay", 0.0):
+    raise ema_lib.MissingEmaError(
+        f"sample.use_ema=True but the run in {config.init_from} kept no EMA of its "
+        "parameters (ema_decay=0): leave out --config.sample.use_ema to sample from its "
+        "parameters, or pretrain with --config.ema_decay=0.9999")
   if s.get("dtype"):
     pre.model.dtype = s.dtype
   if s.get("data_path"):
@@ -157,10 +171,12 @@ def complete(config, pre, step: int, model, workdir, writer) -> dict:
   s = config.sample
   image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
   # The step whose config built the model (load_pretrain_config).
-  params, meta = checkpoint_lib.restore_params(config.init_from, step=step)
+  params, meta = checkpoint_lib.restore_params(config.init_from, step=step,
+                                               use_ema=s.get("use_ema"))
   check_params(model, image_shape, params)
   params = jax.device_put(params)
-  logging.info("sampling from %s (step %s)", config.init_from, meta.get("step"))
+  logging.info("sampling from %s (step %s, %s)", config.init_from, meta.get("step"),
+               "its EMA weights" if meta["restored_weights"] == "ema" else "its parameters")
 
   images, labels, num_classes = first_images(pre.data, s.split, s.num_images, config.seed)
   if images.shape[1:] != image_shape:
@@ -177,7 +193,8 @@ def complete(config, pre, step: int, model, workdir, writer) -> dict:
   known_px = pixel_mask(known, sampler.grid_hw, model.patch_size)
   metrics = completion_metrics(images, samples, known_px)
   metrics.update(sampling_seconds=seconds, images_per_sec=len(images) / seconds,
-                 completions_per_sec=samples.shape[0] * samples.shape[1] / seconds)
+                 completions_per_sec=samples.shape[0] * samples.shape[1] / seconds,
+                 used_ema=float(meta["restored_weights"] == "ema"))
   if s.classifier_steps > 0 and num_classes > 0:
     classify = train_pixel_classifier(pre.data, num_classes, s.classifier_steps,
                                       s.classifier_batch_size, config.seed)

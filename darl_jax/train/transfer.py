@@ -50,12 +50,14 @@ class RestoreReport:
   new: list[str]
   source: str = ""
   step: int | None = None
+  weights: str = "params"     # "ema": the checkpoint's EMA of the parameters
 
   def summary(self) -> str:
     def fmt(names, limit=8):
       head = ", ".join(names[:limit])
       return head + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-    return (f"restored {self.source} (step {self.step}): loaded {len(self.loaded)} "
+    which = " (its EMA weights)" if self.weights == "ema" else ""
+    return (f"restored {self.source} (step {self.step}){which}: loaded {len(self.loaded)} "
             f"parameters; dropped {len(self.dropped)} [{fmt(_prefixes(self.dropped))}]; "
             f"newly initialised {len(self.new)} [{fmt(self.new)}]")
 
@@ -158,18 +160,22 @@ def check_model_config(pretrained: dict | None, model_config) -> None:
 
 
 def restore_into(target, init_from: str, *, step: int | None = None,
-                 required: tuple[str, ...] = ("backbone",), model_config=None):
+                 required: tuple[str, ...] = ("backbone",), model_config=None,
+                 use_ema: bool | None = None):
   """Reads the checkpoint at ``init_from`` and merges it into ``target``.
 
   ``init_from`` is a pretraining workdir, its ``checkpoints`` directory or one
   step directory (see ``checkpoint.restore_params``). ``model_config``: the
   downstream ``config.model``, checked against the checkpoint's stored one
-  (``check_model_config``). Logs the report.
+  (``check_model_config``). ``use_ema``: which weights to read, the
+  checkpoint's EMA of the parameters (True) or the parameters (False); None:
+  the EMA where the checkpoint has one. Logs the report.
   """
-  pretrained, meta = checkpoint_lib.restore_params(init_from, step=step)
+  pretrained, meta = checkpoint_lib.restore_params(init_from, step=step, use_ema=use_ema)
   check_model_config(pretrained_model_config(meta), model_config)
   params, report = merge(target, pretrained, required=required)
   report.source, report.step = init_from, meta.get("step", step)
+  report.weights = meta.get("restored_weights", "params")
   logging.info("%s", report.summary())
   logging.info("loaded: %s", ", ".join(report.loaded))
   logging.info("dropped: %s", ", ".join(report.dropped))
