@@ -17,6 +17,8 @@ the rules the training loop uses):
 * parameters: fp32, 4 bytes per element;
 * gradients: fp32, sharded like the parameters, 4 bytes;
 * Adam moments ``mu`` and ``nu``: fp32, 8 bytes;
+* the EMA of the parameters (``ema_decay > 0``): fp32, 4 bytes (counted in
+  the state total, not shown as a column);
 * FSDP gather buffer (fsdp > 1): two blocks' worth of whole fp32 parameters
   (the block being computed and the next one being gathered).
 
@@ -75,9 +77,10 @@ class Estimate:
   fsdp_buffer: float
   activations: dict          # remat -> bytes
   per_device_batch: int
+  ema: float = 0.0
 
   def state(self) -> float:
-    return self.params + self.grads + self.adam + self.fsdp_buffer
+    return self.params + self.grads + self.adam + self.ema + self.fsdp_buffer
 
   def total(self, remat: str) -> float:
     return self.state() + self.activations[remat]
@@ -206,7 +209,8 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   fsdp_buffer = 2 * 4 * block_params if mesh["fsdp"] > 1 else 0.0
   return Estimate(variant=m.variant, num_params=sum(numels), params=4 * local,
                   grads=4 * local, adam=8 * local, fsdp_buffer=fsdp_buffer,
-                  activations=activations, per_device_batch=per_device)
+                  activations=activations, per_device_batch=per_device,
+                  ema=4 * local if config.get("ema_decay", 0.0) else 0.0)
 
 
 def table(estimates: list[Estimate], device_gib: float | None = None) -> str:

@@ -186,6 +186,11 @@ def test_memory_estimate_matches_a_hand_count():
   assert est.params == est.grads == 4 * total / 2 and est.adam == 8 * total / 2
   assert est.fsdp_buffer == 2 * 4 * BLOCK_PARAMS
   assert est.per_device_batch == 16 // (2 * 2)
+  assert est.ema == 0 and est.state() == est.params + est.grads + est.adam + est.fsdp_buffer
+  config.ema_decay = 0.999   # one more float32 copy of the (sharded) parameters
+  with_ema = memory.estimate(config, {"data": 2, "fsdp": 2, "tensor": 1}, "fsdp", batch_size=16)
+  assert with_ema.state() - est.state() == 4 * total / 2
+  config.ema_decay = 0.0
   a = 4   # float32 activations
   block = a * T * (4 * D + 4 * D + 2 * F) + (4 + a) * H * T * T     # 69,632 bytes
   assert est.activations["none"] == 4 * DEPTH * block
