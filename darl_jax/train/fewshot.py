@@ -49,10 +49,7 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import files
-from darl_jax import metrics as metrics_lib
-from darl_jax import ops
 from darl_jax import sharding as sharding_lib
-from darl_jax import workdir as workdir_lib
 from darl_jax.train import linear_probe
 from darl_jax.train import loop
 
@@ -252,13 +249,8 @@ def run(config, workdir: str) -> dict:
   if config.get("tfds_data_dir"):
     pre.data.tfds_data_dir = config.tfds_data_dir
   check_features_name(config.fewshot_eval.features, model_depth(pre.model))
-  workdir = workdir_lib.prepare(workdir)
-  is_main = jax.process_index() == 0
-  with workdir_lib.hold(workdir, is_main=is_main), metrics_lib.MetricWriter(
-      str(workdir), is_main_process=is_main,
-      tensorboard=config.get("tensorboard", True)) as writer:
-    loop.enable_compilation_cache(config)
-    ops.configure(config.get("kernels"), pre.model.get("dtype", "float32"))
+  dtype = pre.model.get("dtype", "float32")
+  with loop.job(config, workdir, dtype) as (workdir, writer, is_main):
     mesh = sharding_lib.make_mesh(config.mesh)
     model = darl_lib.darl_from_config(pre)
     # the EMA of the parameters where the checkpoint has one, unless use_ema says

@@ -308,6 +308,22 @@ def adopt_ema(state: dict, step: int, meta: dict, config, state_shardings) -> di
   return state
 
 
+@contextlib.contextmanager
+def job(config, workdir, model_dtype: str):
+  """What a job that runs no training loop (sampling, few-shot) shares with
+  the loop: the workdir checked and locked (darl_jax/workdir.py), the metric
+  writer, the compilation cache and the kernel choice for the model's dtype.
+  Yields ``(workdir, writer, is_main)``."""
+  workdir = workdir_lib.prepare(workdir)
+  is_main = jax.process_index() == 0
+  with workdir_lib.hold(workdir, is_main=is_main), metrics_lib.MetricWriter(
+      str(workdir), is_main_process=is_main,
+      tensorboard=config.get("tensorboard", True)) as writer:
+    enable_compilation_cache(config)
+    ops.configure(config.get("kernels"), model_dtype)
+    yield workdir, writer, is_main
+
+
 def enable_compilation_cache(config) -> None:
   """JAX's persistent compilation cache at ``config.compilation_cache_dir``
   ("" = off; a JAX_COMPILATION_CACHE_DIR environment variable wins)."""

@@ -48,10 +48,7 @@ from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import ema as ema_lib
 from darl_jax import files
-from darl_jax import metrics as metrics_lib
-from darl_jax import ops
 from darl_jax import sampling
-from darl_jax import workdir as workdir_lib
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import loop
 
@@ -152,13 +149,8 @@ def run(config, workdir: str) -> dict:
   """
   config_lib.validate(config)
   pre, step = resolve(config)
-  workdir = workdir_lib.prepare(workdir)
-  is_main = jax.process_index() == 0
-  with workdir_lib.hold(workdir, is_main=is_main), metrics_lib.MetricWriter(
-      str(workdir), is_main_process=is_main,
-      tensorboard=config.get("tensorboard", True)) as writer:
-    loop.enable_compilation_cache(config)
-    ops.configure(config.get("kernels"), pre.model.get("dtype", "float32"))
+  dtype = pre.model.get("dtype", "float32")
+  with loop.job(config, workdir, dtype) as (workdir, writer, is_main):
     model = darl_lib.darl_from_config(pre)
     writer.start(None, config.to_dict())
     if not is_main:
