@@ -77,6 +77,11 @@ def on_hopper() -> bool:
           and str(getattr(device, "compute_capability", "")).startswith("9."))
 
 
+def _asked(kernels_cfg, op: str) -> str:
+  """What ``config.kernels`` asks of ``op`` (``auto`` where it says nothing)."""
+  return (kernels_cfg.get(op, "auto") if kernels_cfg is not None else "auto") or "auto"
+
+
 def resolve(kernels_cfg, dtype: str = "float32") -> Kernels:
   """``config.kernels`` (attention / mlp / norm, each possibly ``auto``) ->
   what runs on this backend. ``auto``: the Hopper kernels and the Triton
@@ -86,8 +91,8 @@ def resolve(kernels_cfg, dtype: str = "float32") -> Kernels:
   fast = dtype == "bfloat16" and on_hopper()
   auto = {"attention": "hopper" if fast else "auto", "mlp": "hopper" if fast else "xla",
           "norm": "triton" if fast else "xla"}
-  get = lambda k: (kernels_cfg.get(k, "auto") if kernels_cfg is not None else "auto") or "auto"
-  return Kernels(**{op: auto[op] if get(op) == "auto" else get(op) for op in CHOICES})
+  return Kernels(**{op: auto[op] if _asked(kernels_cfg, op) == "auto"
+                    else _asked(kernels_cfg, op) for op in CHOICES})
 
 
 def configure(kernels_cfg, dtype: str = "float32") -> Kernels:
@@ -114,8 +119,8 @@ def describe(kernels_cfg, chosen: Kernels) -> str:
   """One log line: what runs, and which of it ``auto`` chose."""
   parts = []
   for op in CHOICES:
-    asked = (kernels_cfg.get(op, "auto") if kernels_cfg is not None else "auto") or "auto"
-    parts.append(f"{op}={getattr(chosen, op)}" + (" (auto)" if asked == "auto" else ""))
+    auto = " (auto)" if _asked(kernels_cfg, op) == "auto" else ""
+    parts.append(f"{op}={getattr(chosen, op)}{auto}")
   return f"kernels on {jax.devices()[0].device_kind}: " + ", ".join(parts)
 
 
@@ -230,9 +235,9 @@ def _hopper_mlp_fits(x, hidden: int, dtype) -> bool:
   return True
 
 
-def mlp_product(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
-  """``fc2(gelu(fc1(x)))``, fc2's bias added only if ``fc2_bias`` is given
-  (the fused stack adds it in the next norm's kernel)."""
+def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
+  """The Transformer MLP, ``fc2(gelu(fc1(x)))``; fc2's bias is added only if
+  ``fc2_bias`` is given (the fused stack adds it in the next norm's kernel)."""
   if _current.mlp == "hopper" and _hopper_mlp_fits(x, fc1_kernel.shape[-1], dtype):
     from darl_jax.kernels import hopper_mlp, per_shard
     return per_shard.over_batch(
@@ -242,11 +247,6 @@ def mlp_product(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
         batched=(True, False, False, False, False))
   h = gelu(dense(x, fc1_kernel, fc1_bias, dtype=dtype))
   return dense(h, fc2_kernel, fc2_bias, dtype=dtype)
-
-
-def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
-  """The Transformer MLP: fc1, exact GELU, fc2."""
-  return mlp_product(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, dtype=dtype)
 
 
 # ------------------------------------------------------------------ attention

@@ -335,8 +335,8 @@ def test_kernel_trace_summary_counts_overlap_and_idle_time(tmp_path):
                      "the time")
 
 
-def test_hopper_mlp_product_without_fc2s_bias_plus_the_bias_is_the_mlp(monkeypatch):
-  """``ops.mlp_product`` without fc2's bias (the fused stack's call: the
+def test_hopper_mlp_without_fc2s_bias_plus_the_bias_is_the_mlp(monkeypatch):
+  """``ops.mlp`` without fc2's bias (the fused stack's call: the
   bias is added in the next norm's kernel) runs ``hopper_mlp.mlp`` with
   ``b2=None``: product + bias is ``ops.mlp``'s output, and the gradients are
   the same (fc2's bias gradient to bf16 rounding: here it goes through a
@@ -351,7 +351,7 @@ def test_hopper_mlp_product_without_fc2s_bias_plus_the_bias_is_the_mlp(monkeypat
   def mlp(p, x, apart):
     w1, b1, w2, b2 = p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"], p["fc2"]["bias"]
     if apart:
-      y = ops.mlp_product(x, w1, b1, w2, None, dtype=jnp.bfloat16)
+      y = ops.mlp(x, w1, b1, w2, None, dtype=jnp.bfloat16)
       return y + b2.astype(y.dtype)   # as fused_stack._value adds it
     return ops.mlp(x, w1, b1, w2, b2, dtype=jnp.bfloat16)
 

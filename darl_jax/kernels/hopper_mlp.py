@@ -190,7 +190,7 @@ def mlp(x, w1, b1, w2, b2, kernels: MlpKernels = DEFAULT_KERNELS, interpret: boo
   where XLA's MLP (ops.mlp) rounds it to bf16 first.
 
   ``b2=None``: no fc2 bias here (no add, no gradient), for a caller that
-  adds it elsewhere (ops.mlp_product without fc2's bias: kernels/fused_stack.py
+  adds it elsewhere (ops.mlp without fc2's bias: kernels/fused_stack.py
   adds it in the next norm's kernel).
   """
   return _mlp_fwd(x, w1, b1, w2, b2, kernels, interpret)[0]
