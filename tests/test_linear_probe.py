@@ -144,6 +144,11 @@ def test_linear_probe_end_to_end(pretrained, tmp_path):
   assert report["blocks"] == ["block_00", "block_01"]
   assert report["normalized_depth"] == [0.5, 1.0]
   assert report["best_accuracy"] == max(report["accuracy"])
+  # The report re-evaluates the same probes on the same split: the loop's last
+  # evaluation's numbers (a report fed other inputs, e.g. unconverted uint8
+  # images, would read chance here).
+  np.testing.assert_allclose(report["accuracy"], [last["val_accuracy_block_00"],
+                                                  last["val_accuracy_block_01"]], atol=1e-6)
   assert (tmp_path / "probe_accuracy.png").stat().st_size > 1000
   final = [r for r in metrics_lib.read_metrics(str(tmp_path)) if "val_best_accuracy" in r]
   assert final and final[-1]["val_best_accuracy"] == report["best_accuracy"]

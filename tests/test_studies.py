@@ -30,7 +30,7 @@ def test_every_study_expands_to_valid_configs(scale):
     for stage in study.stages():
       config = S.load_config(stage)            # unknown override keys raise here
       assert config.trainer == {"pretrain": "pretrain", "finetune": "finetune",
-                                "probe": "linear_probe",
+                                "probe": "linear_probe", "attentive_probe": "attentive_probe",
                                 "supervised": "supervised"}[stage.kind]
       vit_lib.vit_from_config(config.model)    # patch size divides the image, ...
       if stage.parent is not None:
@@ -56,6 +56,39 @@ def test_noise_schedule_sweep_is_the_grid_for_each_patch_size():
     else:
       assert c.loss.kind == "mse"
   assert len(seen) == len(TINY.patch_sizes) * len(grid) ** 2
+
+
+def test_downstream_study_has_its_comparators_at_the_stated_budgets():
+  long = S.get_scale("fmnist_long")
+  study = catalog.get_study("downstream", long, seeds=1)
+  by = {(r.labels["init"], r.labels["protocol"]): r for r in study.runs}
+  # A random backbone under the same probes: no parent, no checkpoint.
+  for protocol in ("linear probe", "attentive probe block 3+4+5"):
+    (stage,) = by[("random", protocol)].stages
+    assert stage.parent is None and not S.load_config(stage).init_from
+  # Probes read the DARL checkpoint of their row.
+  pre, lin = by[("DARL diffusion", "linear probe")].stages
+  assert lin.parent is pre and S.load_config(pre).loss.kind == "diffusion"
+  assert S.load_config(lin).optim.base_lr == 32.0               # linear only
+  _, att = by[("DARL diffusion", "attentive probe block 3+4+5")].stages
+  assert tuple(S.load_config(att).probe.blocks) == (3, 4, 5)
+  assert S.load_config(att).optim.base_lr == 1e-3
+  # Supervised from scratch at the fine-tuning budget, and at pretraining +
+  # fine-tuning in images seen: 4300 steps of 512 = 8600 of 256, + 4300.
+  ft = S.load_config(by[("DARL diffusion", "fine-tune")].stages[1])
+  (budget,) = by[("scratch (supervised)", "fine-tune budget")].stages
+  (both,) = by[("scratch (supervised)", "pretraining + fine-tuning budget")].stages
+  assert S.load_config(budget).total_steps == ft.total_steps == 4300
+  assert S.load_config(both).total_steps == 4300 + 8600
+  assert S.load_config(budget).batch_size == ft.batch_size == 256
+  assert ft.model.depth == 6 and ft.optim.num_layers == 6
+
+
+def test_best_block_accuracy_is_derived_from_the_per_block_accuracies():
+  metrics = {"val_accuracy_block_00": 0.7, "val_accuracy_block_01": 0.9,
+             "val_best_accuracy": 0.1, "val_loss": 0.3}
+  assert runner_lib.derived(metrics)["best_block_accuracy"] == 0.9
+  assert "best_block_accuracy" not in runner_lib.derived({"val_accuracy": 0.8})
 
 
 def test_seeds_multiply_runs_and_reach_every_stage():
@@ -164,6 +197,13 @@ def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
   listed = subprocess.run(args + ["--list"], capture_output=True, text=True, cwd=ROOT,
                           env=env, check=True).stdout
   assert "# 5 distinct stages; 5 to run" in listed
+  # --runs: only the runs whose name matches (and the stages they need).
+  some = subprocess.run(args + ["--list", "--runs=^masking=causal"], capture_output=True,
+                        text=True, cwd=ROOT, env=env, check=True).stdout
+  assert "# 3 distinct stages; 3 to run" in some and "masking=full" not in some
+  bad = subprocess.run(args + ["--list", "--runs=(("], capture_output=True, text=True,
+                       cwd=ROOT, env=env)
+  assert bad.returncode == 1 and "not a regular expression" in bad.stderr
   # The pretraining and two fine-tunings done: two fine-tunings left, run at once.
   study = catalog.get_study("readout", TINY)
   stages = study.stages()

@@ -11,6 +11,9 @@ resumes from its checkpoint).
   --seeds     seeds per configuration (default: the scale's choice per study)
   --parallel  stages run at once as subprocesses (GPU: 6-8; CPU: 1)
   --stop_after_minutes  start no stage after this long (split a study over jobs)
+  --runs      run only the runs whose name matches this regular expression
+              (names as --list prints them: "init=DARL mse,protocol=fine-tune,...");
+              the reports still cover every run
   --set       data.path=... and other settings that do not change results
   --list      print the runs and their stages' commands, run nothing
   --report_only  write the reports from the results there are
@@ -18,6 +21,7 @@ resumes from its checkpoint).
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 
@@ -36,6 +40,7 @@ _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per configuration; 0 = the scal
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Stages at once (subprocesses when > 1).")
 _STOP = flags.DEFINE_float("stop_after_minutes", 0.0, "Start no stage after this many minutes.")
 _SET = flags.DEFINE_multi_string("set", [], "key=value for every stage (paths, not settings).")
+_RUNS = flags.DEFINE_string("runs", None, "Regex: run only the runs whose name matches.")
 _LIST = flags.DEFINE_bool("list", False, "Print runs and commands; run nothing.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only write the reports.")
 _STAGE = flags.DEFINE_string("stage", None, "(internal) run this one stage id in-process.")
@@ -48,6 +53,17 @@ def studies(names: str, scale: S.Scale, seeds: int) -> list[S.Study]:
   return [catalog.get_study(n, scale, seeds) for n in chosen]
 
 
+def selected(study: S.Study, pattern: str | None) -> list[S.Run]:
+  """The study's runs whose name matches ``pattern`` (all when None)."""
+  if not pattern:
+    return list(study.runs)
+  try:
+    regex = re.compile(pattern)
+  except re.error as e:
+    raise ValueError(f"--runs {pattern!r} is not a regular expression: {e}") from None
+  return [run for run in study.runs if regex.search(run.name)]
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -56,7 +72,8 @@ def main(argv):
   work = _WORK.value or f"workdirs/studies/{scale.name}"
   chosen = studies(_STUDY.value, scale, _SEEDS.value)
   runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
-  stages = S.distinct_stages([s for study in chosen for s in study.stages()])
+  stages = S.distinct_stages([s for study in chosen for run in selected(study, _RUNS.value)
+                               for s in run.stages])
 
   if _STAGE.value:
     by_id = {s.id: s for s in stages}
@@ -69,7 +86,7 @@ def main(argv):
   if _LIST.value:
     for study in chosen:
       print(f"# {study.name}: {len(study.runs)} runs, {len(study.stages())} stages")
-      for run in study.runs:
+      for run in selected(study, _RUNS.value):
         print(f"{run.name}: {' -> '.join(s.id for s in run.stages)}")
     print(f"# {len(stages)} distinct stages; {len(runner.plan(stages))} to run")
     for s in runner.plan(stages):

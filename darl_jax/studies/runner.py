@@ -16,8 +16,8 @@ first. Fine-tuning, probe and supervised stages delete their checkpoints when
 done; pretraining stages keep their last one for later downstream stages.
 
 ``parallel > 1`` runs up to that many stages at once as subprocesses (a
-small model leaves most of a GPU idle; each process gets an equal share of
-its memory), in dependency order.
+small model leaves most of a GPU idle; each process allocates GPU memory as
+it needs it), in dependency order.
 """
 
 from __future__ import annotations
@@ -182,7 +182,12 @@ class Runner:
     self.work.mkdir(parents=True, exist_ok=True)
     log = open(self.work / f"{stage.id}.log", "w")
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
+    # Stages allocate GPU memory as they need it instead of each taking an
+    # equal 1/parallel slice up front: a pretraining stage needs several times
+    # a probe's memory, and at --parallel=30 a 3% slice (4 GB of an H200) ran
+    # the fmnist_long pretraining stages out of memory. (The caller's own
+    # XLA_* settings win.)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     proc = subprocess.Popen([sys.executable, "-m", "darl_jax.studies", *child_args,
                              f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
                             env=env)
@@ -192,6 +197,19 @@ class Runner:
 def _write_json(path: pathlib.Path, obj) -> None:
   """Written whole or not at all: a killed writer leaves no half file."""
   files.write_json_atomic(path, obj, indent=1, sort_keys=True, default=list)
+
+
+BLOCK_ACCURACY = "val_accuracy_block_"
+
+
+def derived(metrics: dict) -> dict:
+  """A stage's metrics plus ``best_block_accuracy``, the largest per-block
+  probe accuracy, where there are per-block accuracies. Tables read it rather
+  than the probe's own ``val_best_accuracy``: the linear probes of the
+  fmnist_long runs wrote that one from an evaluation fed unconverted uint8
+  images (fixed since; their per-block accuracies were right)."""
+  blocks = [v for k, v in metrics.items() if k.startswith(BLOCK_ACCURACY) and v is not None]
+  return {**metrics, "best_block_accuracy": max(blocks)} if blocks else metrics
 
 
 def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
@@ -204,7 +222,7 @@ def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
       continue
     metrics = {}
     for stage, result in zip(run.stages, results):
-      metrics.update({f"{stage.kind}/{k}": v for k, v in result["metrics"].items()})
-    metrics.update({f"last/{k}": v for k, v in results[-1]["metrics"].items()})
+      metrics.update({f"{stage.kind}/{k}": v for k, v in derived(result["metrics"]).items()})
+    metrics.update({f"last/{k}": v for k, v in derived(results[-1]["metrics"]).items()})
     out.append({"labels": run.labels, "metrics": metrics})
   return out, missing

@@ -200,6 +200,9 @@ class LinearProbeTrainer(loop.Trainer):
   def final_scores(self, ctx, model, state) -> dict:
     """``eval_fn``'s metrics over the eval split, for the reports ``finalize`` writes."""
     def eval_step(params, model_state, batch):
+      # Batches come as uint8 (feed.py): the loop's eval step converts them
+      # on the device, and so must this one.
+      batch = loop.model_input(batch)
       out = self.eval_fn(model, params, model_state, batch, None)
       mask = batch["mask"].astype(jnp.float32)
       return {k: jnp.sum(v * mask) for k, v in out.items()}
