@@ -198,16 +198,11 @@ class LinearProbeTrainer(loop.Trainer):
     return out
 
   def final_scores(self, ctx, model, state) -> dict:
-    """``eval_fn``'s metrics over the eval split, for the reports ``finalize`` writes."""
-    def eval_step(params, model_state, batch):
-      # Batches come as uint8 (feed.py): the loop's eval step converts them
-      # on the device, and so must this one.
-      batch = loop.model_input(batch)
-      out = self.eval_fn(model, params, model_state, batch, None)
-      mask = batch["mask"].astype(jnp.float32)
-      return {k: jnp.sum(v * mask) for k, v in out.items()}
-
-    return loop.evaluate(self, model, state, ctx.eval_source, jax.jit(eval_step),
+    """``eval_fn``'s metrics over the eval split, for the reports ``finalize``
+    writes: the loop's own eval step (its uint8 -> float input conversion
+    included), not a second copy of it."""
+    eval_step = jax.jit(loop.make_eval_step(self, model, jax.random.PRNGKey(0), ctx.mesh))
+    return loop.evaluate(self, model, state, ctx.eval_source, eval_step,
                          sharding_lib.batch_sharding(ctx.mesh), self.config)
 
   def finalize(self, ctx, model, state):
