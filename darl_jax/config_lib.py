@@ -58,6 +58,9 @@ def base_config() -> ml_collections.ConfigDict:
       "path": placeholder(str), "backend": "auto", "tfds_name": placeholder(str),
       "tfds_data_dir": placeholder(str),
       "val_split_size": 5000, "train_split": "train", "eval_split": "validation",
+      # augment="spatial": the random-resized crop's (min, max) fraction of
+      # the image's area (data/augment.py).
+      "crop_scale": (0.2, 1.0),
       # Processes building training batches (data/pipeline.py): -1 = this
       # process's share of the host's cores, 0 = in the training process.
       "num_workers": -1})
@@ -383,6 +386,7 @@ _RULES = [
 _LIST_RULES = [
     ("fewshot_eval.shots", _int(1), "positive integers", "1,5,10,25"),
     ("fewshot_eval.l2_grid", lambda v: v > 0, "positive numbers", "1.0,1024.0"),
+    ("data.crop_scale", lambda v: 0 < v <= 1, "area fractions in (0, 1]", "0.2,1.0"),
 ]
 
 
@@ -410,6 +414,10 @@ def validate(config) -> None:
     _check(config, dotted, ok, want, example)
   for dotted, ok, want, example in _LIST_RULES:
     _check_list(config, dotted, ok, want, example)
+  scale = config.get("data", {}).get("crop_scale")
+  if scale is not None and (len(scale) != 2 or scale[0] > scale[1]):
+    raise ConfigError(f"config.data.crop_scale must be (min, max) with min <= max, got "
+                      f"{scale!r}: set --config.data.crop_scale=(0.2,1.0)")
   for op, valid in ops.CHOICES.items():
     value = config.get("kernels", {}).get(op, "auto")
     if value not in valid:

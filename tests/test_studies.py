@@ -110,6 +110,53 @@ def test_equal_configs_share_one_stage_across_runs_and_studies():
   assert other.id != darl_rope2d.stages[0].id
 
 
+def test_recorded_stage_ids_survive_config_keys_added_since():
+  """The stage files in reports/ are found by id: a config key added after
+  they were recorded re-keys them all (and a rerun repeats hours of GPU work)
+  unless spec.KEYS_ADDED names its old-behaviour value. If this fails after
+  adding a config key, add the key there."""
+  long = S.get_scale("fmnist_long")
+  downstream = catalog.get_study("downstream", long, seeds=1)
+  by = {(r.labels["init"], r.labels["protocol"]): r for r in downstream.runs}
+  pre, probe = by[("DARL diffusion", "linear probe")].stages
+  assert pre.id == "pretrain-ff2bc0289f"      # reports/studies/fmnist_long/stages
+  assert probe.id == "probe-b12485a0ca"
+  assert (ROOT / "reports/studies/fmnist_long/stages" / f"{pre.id}.json").exists()
+  # At the old behaviour the key is not part of the id; at any other value it is.
+  for key, old in S.KEYS_ADDED.items():
+    same = S.stage(pre.kind, pre.config, pre.override_dict(), {key: tuple(old)})
+    other = S.stage(pre.kind, pre.config, pre.override_dict(), {key: (0.5, 1.0)})
+    assert same.id == pre.id and other.id != pre.id
+
+
+def test_finetune_recipe_study_sweeps_crop_area_and_length_for_both_inits():
+  long = S.get_scale("fmnist_long")
+  study = catalog.get_study("finetune_recipe", long)
+  by = {(r.labels["init"], r.labels["crop"], r.labels["length"]): r for r in study.runs}
+  crops = {"none"} | {f"{c:g}-1" for c in long.recipe_crop_scales}
+  assert {k[1] for k in by} == crops
+  none = S.load_config(by[("DARL diffusion", "none", "x1")].stages[1])
+  assert none.data.augment == "none"
+  pre, ft = by[("DARL diffusion", "0.5-1", "x2")].stages
+  c = S.load_config(ft)
+  assert (c.data.augment, tuple(c.data.crop_scale)) == ("spatial", (0.5, 1.0))
+  assert (c.total_steps, c.optim.warmup_steps) == (8600, 860)
+  # Supervised at the base length only; both inits see the same crops.
+  assert ("scratch (supervised)", "0.5-1", "x2") not in by
+  (sup,) = by[("scratch (supervised)", "0.8-1", "x1")].stages
+  assert tuple(S.load_config(sup).data.crop_scale) == (0.8, 1.0)
+  # The scale's chosen recipe is one of the sweep's cells: the downstream
+  # study's fine-tune and supervised stages are the same jobs.
+  downstream = catalog.get_study("downstream", long, seeds=1)
+  ds = {(r.labels["init"], r.labels["protocol"]): r for r in downstream.runs}
+  low = long.downstream["data.crop_scale"][0]
+  assert (ds[("DARL diffusion", "fine-tune")].stages[1].id
+          == by[("DARL diffusion", f"{low:g}-1", "x1")].stages[1].id)
+  assert (ds[("scratch (supervised)", "fine-tune budget")].stages[0].id
+          == by[("scratch (supervised)", f"{low:g}-1", "x1")].stages[0].id)
+  assert pre.id == ds[("DARL diffusion", "fine-tune")].stages[0].id
+
+
 def test_unknown_names_and_keys_fail_with_the_valid_ones():
   with pytest.raises(ValueError, match="valid: positional_encoding, patch_decoder"):
     catalog.get_study("posenc", TINY)

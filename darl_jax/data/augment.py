@@ -12,7 +12,8 @@ draws are fully vectorised (no per-example ``np.random.Generator``).
 Spatial augmentation (the paper's pretraining "spatial augmentation", i.e. the
 MAE/Inception recipe):
 
-- random-resized crop: area fraction ``s ~ U(0.2, 1.0)`` of the source image,
+- random-resized crop: area fraction ``s ~ U(data.crop_scale)`` (default
+  U(0.2, 1.0)) of the source image,
   aspect ratio ``r`` log-uniform in ``(3/4, 4/3)``, crop position uniform;
   10 attempts per image, the first one that fits is used, otherwise the
   central crop with the ratio clamped to the allowed range (torchvision's
@@ -27,6 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# The training crop's area range, as a fraction of the source image
+# (``data.crop_scale``). 0.2-1 is the paper's (and MAE's) pretraining crop;
+# fine-tuning on small images may want less of the image thrown away.
 CROP_SCALE = (0.2, 1.0)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 CROP_ATTEMPTS = 10
@@ -35,6 +39,20 @@ FLIP_PROB = 0.5
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+
+
+def check_crop_scale(scale) -> tuple[float, float]:
+  """``(min, max)`` area fractions with 0 < min <= max <= 1, as floats; a
+  clear error naming ``data.crop_scale`` otherwise."""
+  try:
+    lo, hi = (float(v) for v in scale)
+  except (TypeError, ValueError):
+    lo = hi = float("nan")
+  if not 0 < lo <= hi <= 1:
+    raise ValueError(f"data.crop_scale must be two area fractions (min, max) with "
+                     f"0 < min <= max <= 1, got {scale!r}: e.g. "
+                     f"--config.data.crop_scale=(0.2,1.0)")
+  return lo, hi
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -206,7 +224,7 @@ def resample(images: np.ndarray, top, left, box_h, box_w, out_size: int,
 
 
 def random_resized_crop(images: np.ndarray, seed: int, positions: np.ndarray,
-                        out_size: int) -> np.ndarray:
+                        out_size: int, scale=CROP_SCALE) -> np.ndarray:
   """Spatial augmentation of a batch (crop + resize + flip), deterministic.
 
   Args:
@@ -214,13 +232,15 @@ def random_resized_crop(images: np.ndarray, seed: int, positions: np.ndarray,
     seed: source seed.
     positions: int [n], stream positions of the examples (the rng counter).
     out_size: output side S.
+    scale: (min, max) fraction of the source area a crop takes
+      (``data.crop_scale``).
 
   Returns:
     float32 [n, S, S, c] in [0, 255].
   """
   n, h, w, _ = images.shape
   u = hash_uniform(seed, positions, 4 * CROP_ATTEMPTS + 1)
-  top, left, bh, bw = sample_crop_boxes(u, h, w)
+  top, left, bh, bw = sample_crop_boxes(u, h, w, scale=scale)
   flip = u[:, -1] < FLIP_PROB
   return resample(images, top, left, bh, bw, out_size, flip=flip)
 

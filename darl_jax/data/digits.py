@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from darl_jax.data import augment as aug
 from darl_jax.data.base import DataSource, cfg_get
 from darl_jax.data.indexed import ArraySource
 
@@ -60,4 +61,5 @@ def build(config: Any, *, split: str, seed: int) -> DataSource:
   return ArraySource(images[idx], labels[idx], num_classes=NUM_CLASSES,
                      image_size=int(cfg_get(config, "image_size", 8)),
                      channels=int(cfg_get(config, "channels", 1)),
-                     augment=cfg_get(config, "augment", "none"), seed=seed)
+                     augment=cfg_get(config, "augment", "none"), seed=seed,
+                     crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))

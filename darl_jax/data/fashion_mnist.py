@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from darl_jax.data import augment as aug
 from darl_jax.data.base import DataSource, cfg_get
 from darl_jax.data.indexed import ArraySource
 
@@ -147,4 +148,5 @@ def build(config: Any, *, split: str, seed: int) -> DataSource:
   images, labels = load_part(data_dir, part)
   return ArraySource(images[sl], labels[sl], num_classes=NUM_CLASSES,
                      image_size=image_size, channels=channels,
-                     augment=augment, seed=seed)
+                     augment=augment, seed=seed,
+                     crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))

@@ -148,18 +148,20 @@ class ImageFolderSource(IndexedSource):
   decodes_files = True
 
   def __init__(self, base: str, files: list[str], classes: list[str], *,
-               image_size: int, channels: int, augment: str, seed: int):
+               image_size: int, channels: int, augment: str, seed: int,
+               crop_scale=aug.CROP_SCALE):
     index = {name: i for i, name in enumerate(classes)}
     labels = [index[f.split(os.sep)[0]] if classes else 0 for f in files]
     super().__init__(labels=np.asarray(labels, np.int32),
                      num_classes=len(classes), image_size=image_size,
-                     channels=channels, augment=augment, seed=seed)
+                     channels=channels, augment=augment, seed=seed,
+                     crop_scale=crop_scale)
     self.paths = [os.path.join(base, f) for f in files]
     self.class_names = list(classes)
     self._unreadable: dict[str, str] = {}   # this process's: path -> error
 
   def _load_one(self, path: str, u: Optional[np.ndarray]) -> np.ndarray:
-    return decode_crop(path, u, self.image_shape)
+    return decode_crop(path, u, self.image_shape, crop_scale=self.crop_scale)
 
   def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
     """Example ``index``'s image; an unreadable file is logged once (per
@@ -184,9 +186,10 @@ class ImageFolderSource(IndexedSource):
     return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
 
 
-def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float = 1.0):
+def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float = 1.0,
+                crop_scale=aug.CROP_SCALE):
   """Decodes an image file (a path or a file object) and crops it: the
-  random-resized crop and flip of the uniforms ``u``, or (``u`` None) the
+  random-resized crop (area ``crop_scale``) and flip of the uniforms ``u``, or (``u`` None) the
   central square of side ``crop_fraction * min(h, w)``; resized to
   ``image_shape`` (bilinear, antialiased), uint8 ``[S, S, C]``."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
@@ -198,7 +201,7 @@ def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float
       box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
       flip = False
     else:
-      top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w)
+      top, left, bh, bw = aug.sample_crop_boxes(u[None], h, w, scale=crop_scale)
       box = (left[0], top[0], left[0] + bw[0], top[0] + bh[0])
       flip = u[-1] < aug.FLIP_PROB
     img = reduced_decode(img, box, size)
@@ -245,4 +248,4 @@ def build(config: Any, *, split: str, seed: int) -> DataSource:
                            image_size=int(cfg_get(config, "image_size", 64)),
                            channels=int(cfg_get(config, "channels", 3)),
                            augment=cfg_get(config, "augment", "none"),
-                           seed=seed)
+                           seed=seed, crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))

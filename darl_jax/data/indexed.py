@@ -38,7 +38,7 @@ class IndexedSource(DataSource):
   """
 
   def __init__(self, *, labels: np.ndarray, num_classes: int, image_size: int,
-               channels: int, augment: str, seed: int):
+               channels: int, augment: str, seed: int, crop_scale=aug.CROP_SCALE):
     if augment not in AUGMENTS:
       raise ValueError(f"augment must be one of {AUGMENTS}, got {augment!r}")
     if channels not in (1, 3):
@@ -48,6 +48,7 @@ class IndexedSource(DataSource):
     self.num_classes = int(num_classes)
     self.image_shape = (int(image_size), int(image_size), int(channels))
     self.augment = augment
+    self.crop_scale = aug.check_crop_scale(crop_scale)
     self.seed = int(seed)
     self._perms: dict[int, np.ndarray] = {}
 
@@ -136,7 +137,7 @@ class ArraySource(IndexedSource):
 
   def __init__(self, images: np.ndarray, labels: np.ndarray, *,
                num_classes: int, image_size: int, channels: int, augment: str,
-               seed: int):
+               seed: int, crop_scale=aug.CROP_SCALE):
     if images.ndim != 4 or images.dtype != np.uint8:
       raise ValueError(f"images must be uint8 [N, h, w, c], got "
                        f"{images.dtype} {images.shape}")
@@ -144,7 +145,7 @@ class ArraySource(IndexedSource):
       raise ValueError(f"{len(images)} images but {len(labels)} labels")
     super().__init__(labels=labels, num_classes=num_classes,
                      image_size=image_size, channels=channels, augment=augment,
-                     seed=seed)
+                     seed=seed, crop_scale=crop_scale)
     # Kept at native resolution; resizing happens per batch (the resampler
     # is antialiased, so targets smaller than the source are fine too).
     self.images = images
@@ -155,5 +156,5 @@ class ArraySource(IndexedSource):
     if positions is None:
       x = aug.resize_full(images, size)
     else:
-      x = aug.random_resized_crop(images, self.seed, positions, size)
+      x = aug.random_resized_crop(images, self.seed, positions, size, self.crop_scale)
     return aug.to_uint8(aug.convert_channels(x, self.image_shape[2]))

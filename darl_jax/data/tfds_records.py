@@ -45,11 +45,12 @@ class TfdsRecordSource(IndexedSource):
 
   def __init__(self, name: str, split: str, data_dir: Optional[str], *, num_examples: int,
                num_classes: int, image_size: int, channels: int, augment: str, seed: int,
-               crop_fraction: float = 1.0):
+               crop_fraction: float = 1.0, crop_scale=aug.CROP_SCALE):
     # Labels are read with each record (listing them up front would read the
     # whole split); the base class only needs the count.
     super().__init__(labels=np.zeros((num_examples,), np.int32), num_classes=num_classes,
-                     image_size=image_size, channels=channels, augment=augment, seed=seed)
+                     image_size=image_size, channels=channels, augment=augment, seed=seed,
+                     crop_scale=crop_scale)
     self.name, self.split, self.data_dir = name, split, data_dir
     self.crop_fraction = float(crop_fraction)
     self._records = None        # opened on first use, in each process
@@ -77,7 +78,8 @@ class TfdsRecordSource(IndexedSource):
     for i, u in zip(indices, us):
       record = records[int(i)]
       images.append(image_folder.decode_crop(io.BytesIO(record["image"]), u,
-                                             self.image_shape, self.crop_fraction))
+                                             self.image_shape, self.crop_fraction,
+                                             self.crop_scale))
       labels.append(int(record.get("label", 0)))
     return np.stack(images), np.asarray(labels, np.int32)
 
@@ -102,7 +104,8 @@ def build(config: Any, builder, *, name: str, split: str, data_dir: str, seed: i
       num_classes=int(getattr(label, "num_classes", 0) or 0),
       image_size=int(cfg_get(config, "image_size", 224)),
       channels=int(cfg_get(config, "channels", 3)),
-      augment=cfg_get(config, "augment", "none"), seed=seed, crop_fraction=crop_fraction)
+      augment=cfg_get(config, "augment", "none"), seed=seed, crop_fraction=crop_fraction,
+      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
   if not builder.info.splits:      # metadata unknown (e.g. under tfds.testing.mock_data)
     try:
       source.set_num_examples(len(source.records()))

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from darl_jax.data import augment as aug
 from darl_jax.data import tfds_records
 from darl_jax.data.base import (AUGMENTS, Batch, DataSource, cfg_get,
                                 check_process, local_batch_size,
@@ -34,7 +35,6 @@ from darl_jax.data.base import (AUGMENTS, Batch, DataSource, cfg_get,
 # "center-crop 0.875 of the shorter side, then resize to S".
 IMAGENET_CROP_FRACTION = 0.875
 DEFAULT_SHUFFLE_BUFFER = 10_000
-CROP_AREA = (0.2, 1.0)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 _LUMA = (0.299, 0.587, 0.114)  # same weights as augment.convert_channels
 # data.backend for TFDS datasets: "records" reads ArrayRecord files record by
@@ -158,16 +158,18 @@ class JpegPreprocess:
 
   ``center(encoded)``: the evaluation crop (``crop_fraction`` of the shorter
   side, centred) resized to ``image_shape``; ``random(encoded, seed)``: the
-  training crop (random-resized crop, area 0.2-1, ratio 3/4-4/3, then a flip),
+  training crop (random-resized crop, area ``crop_scale``, ratio 3/4-4/3, then a flip),
   a stateless function of ``seed``. JPEGs decode only the crop window. Shared
   by ``TfdsSource`` and benchmarks/input_pipeline_benchmark.py.
   """
 
-  def __init__(self, image_shape, src_channels: int, crop_fraction: float):
+  def __init__(self, image_shape, src_channels: int, crop_fraction: float,
+               crop_scale=aug.CROP_SCALE):
     self._tf = import_tf()
     self.image_shape = tuple(image_shape)
     self._src_channels = int(src_channels)
     self._crop_fraction = float(crop_fraction)
+    self._crop_scale = aug.check_crop_scale(crop_scale)
 
   def _decode_crop(self, encoded, window_fn):
     """Decodes only the crop window of a JPEG (other formats: full decode)."""
@@ -210,7 +212,7 @@ class JpegPreprocess:
     return self._finish(self._decode_crop(encoded, window))
 
   def random(self, encoded, seed):
-    """Random-resized crop (area 0.2-1, ratio 3/4-4/3) + flip, stateless."""
+    """Random-resized crop (area ``crop_scale``, ratio 3/4-4/3) + flip, stateless."""
     tf = self._tf
     crop_seed, flip_seed = tf.unstack(
         tf.random.experimental.stateless_split(seed, 2))
@@ -220,7 +222,7 @@ class JpegPreprocess:
           tf.stack([h, w, self._src_channels]),
           bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
           seed=crop_seed, min_object_covered=0.0,
-          aspect_ratio_range=CROP_RATIO, area_range=CROP_AREA,
+          aspect_ratio_range=CROP_RATIO, area_range=self._crop_scale,
           max_attempts=10, use_image_if_no_bounding_boxes=True)
       return tf.stack([begin[0], begin[1], size[0], size[1]])
 
@@ -255,7 +257,8 @@ class TfdsSource(DataSource):
     label = features["label"] if "label" in features else None
     self.num_classes = int(getattr(label, "num_classes", 0) or 0)
     self._has_label = label is not None
-    self._preprocess = JpegPreprocess(self.image_shape, self._src_channels, crop_fraction)
+    self._preprocess = JpegPreprocess(self.image_shape, self._src_channels, crop_fraction,
+                                      cfg_get(config, "crop_scale", None) or aug.CROP_SCALE)
     self._shuffle_buffer = int(cfg_get(config, "shuffle_buffer",
                                        DEFAULT_SHUFFLE_BUFFER))
     self._split = resolve_split(builder, split,

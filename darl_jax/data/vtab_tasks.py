@@ -265,4 +265,5 @@ def build_source(config: Any, *, split: str, seed: int) -> DataSource:
     return StreamSource(task, parts[0][0], size, channels, data_dir)
   images, labels = load_arrays(task, parts, size, data_dir)
   return ArraySource(images, labels, num_classes=task.num_classes, image_size=size,
-                     channels=channels, augment=cfg_get(config, "augment", "none"), seed=seed)
+                     channels=channels, augment=cfg_get(config, "augment", "none"), seed=seed,
+                     crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
