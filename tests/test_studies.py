@@ -119,14 +119,31 @@ def test_recorded_stage_ids_survive_config_keys_added_since():
   downstream = catalog.get_study("downstream", long, seeds=1)
   by = {(r.labels["init"], r.labels["protocol"]): r for r in downstream.runs}
   pre, probe = by[("DARL diffusion", "linear probe")].stages
-  assert pre.id == "pretrain-ff2bc0289f"      # reports/studies/fmnist_long/stages
-  assert probe.id == "probe-b12485a0ca"
-  assert (ROOT / "reports/studies/fmnist_long/stages" / f"{pre.id}.json").exists()
-  # At the old behaviour the key is not part of the id; at any other value it is.
-  for key, old in S.KEYS_ADDED.items():
-    same = S.stage(pre.kind, pre.config, pre.override_dict(), {key: tuple(old)})
-    other = S.stage(pre.kind, pre.config, pre.override_dict(), {key: (0.5, 1.0)})
-    assert same.id == pre.id and other.id != pre.id
+  assert (pre.id, probe.id) == ("pretrain-e109c8499e", "probe-3aeaeb4880")
+  # The fmnist scale's stages, recorded before config.kernels, the EMA, the
+  # few-shot evaluator, prefix-causal pretraining and data.crop_scale.
+  readout = catalog.get_study("readout", S.get_scale("fmnist"), seeds=1)
+  assert [s.id for s in readout.runs[0].stages] == ["pretrain-e75dfccd73",
+                                                    "finetune-e412eaf674"]
+  for stage in (pre, probe, *readout.runs[0].stages):
+    scale = "fmnist_long" if stage in (pre, probe) else "fmnist"
+    assert (ROOT / "reports/studies" / scale / "stages" / f"{stage.id}.json").exists()
+  # At the old behaviour a key is not part of the id; at any other value it is.
+  for key, value in (("data.crop_scale", (0.5, 1.0)), ("model.prefix", "uniform"),
+                     ("ema_decay", 0.999), ("fewshot_eval.enabled", True)):
+    assert key in S.KEYS_ADDED or key.split(".")[0] in S.KEYS_ADDED
+    other = S.stage(pre.kind, pre.config, pre.override_dict(), {key: value})
+    assert other.id != pre.id, key
+  same = S.stage(pre.kind, pre.config, pre.override_dict(), {"data.crop_scale": (0.2, 1.0)})
+  assert same.id == pre.id
+
+
+def test_how_a_stage_runs_is_not_part_of_its_id():
+  pre = catalog.pretrain(TINY, "mse", 0)
+  for key, value in (("data.num_workers", 0), ("kernels.attention", "xla"),
+                     ("compilation_cache_dir", ""), ("tensorboard", True)):
+    assert S.stage(pre.kind, pre.config, pre.override_dict(), {key: value}).id == pre.id, key
+  assert S.stage(pre.kind, pre.config, pre.override_dict(), {"seed": 7}).id != pre.id
 
 
 def test_finetune_recipe_study_sweeps_crop_area_and_length_for_both_inits():

@@ -18,7 +18,8 @@ Sources (``config.name``):
   synthetic      fixed random batches: the step alone, for benchmarks.
 
 Config keys: name, image_size, channels (1|3), augment ("none"|"spatial":
-random-resized crop, area 0.2-1, ratio 3/4-4/3, + horizontal flip), path,
+random-resized crop, area crop_scale (0.2-1), ratio 3/4-4/3, + horizontal flip),
+crop_scale, path,
 backend (Fashion-MNIST: "auto"|"numpy"|"tfds"; TFDS names: "auto"|"records"|"tf",
 records = ArrayRecord files read through the Grain pipeline, tfds_records.py), tfds_name, tfds_data_dir, val_split_size,
 num_workers (-1: the host's share of cores; 0: in the training process);

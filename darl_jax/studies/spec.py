@@ -59,24 +59,47 @@ def stage(kind: str, config: str, *override_dicts: dict, parent: Stage | None = 
   return Stage(kind, config, tuple(sorted((k, _freeze(v)) for k, v in merged.items())), parent)
 
 
-# Config keys added after stage results were recorded, with the value that
-# reproduces the code before them. At that value a key is left out of the
-# stage id, so adding a key does not re-key (and rerun) every recorded stage;
-# any other value is part of the id as usual.
-KEYS_ADDED = {"data.crop_scale": [0.2, 1.0]}
+# A stage's id hashes what it computes. Left out of it:
+# - keys that say how a stage runs, not what it computes (the data workers
+#   give the same batches, tests/test_pipeline.py; the kernels compute the
+#   same functions; model.attention_impl was their choice before
+#   config.kernels);
+# - config keys added after stage results were recorded, at the value that
+#   reproduces the code before them (any other value is part of the id).
+# So adding a config key or a speed option does not re-key, and rerun, every
+# recorded stage: when a new key fails tests/test_studies.py's pinned ids,
+# add it to KEYS_ADDED. A code change that does change results (a bug fix)
+# needs its stage files deleted by hand.
+HOW_KEYS = ("compilation_cache_dir", "data.num_workers", "tensorboard", "kernels",
+            "model.attention_impl")
+KEYS_ADDED = {
+    "data.crop_scale": [0.2, 1.0],
+    "model.prefix": "off",
+    "ema_decay": 0.0,
+    "eval_with_ema": True,
+    "use_ema": None,
+    "fewshot_eval": config_lib.fewshot_eval_config().to_dict(),
+}
+
+
+def _drop(resolved: dict, dotted: str, only_if=None, check: bool = False) -> None:
+  *path, key = dotted.split(".")
+  node = resolved
+  for part in path:
+    node = node.get(part, {})
+  if key in node and (not check or node[key] == only_if):
+    del node[key]
 
 
 @functools.lru_cache(maxsize=None)
 def _resolved(config: str, overrides: tuple) -> str:
-  resolved = json.loads(json.dumps(load_config(Stage("", config, overrides)).to_dict(),
-                                   default=repr))
+  """The stage's resolved config as the JSON its id hashes (see HOW_KEYS)."""
+  as_json = lambda obj: json.loads(json.dumps(obj, default=repr))  # tuples -> lists
+  resolved = as_json(load_config(Stage("", config, overrides)).to_dict())
+  for dotted in HOW_KEYS:
+    _drop(resolved, dotted)
   for dotted, old_behaviour in KEYS_ADDED.items():
-    *path, key = dotted.split(".")
-    node = resolved
-    for part in path:
-      node = node.get(part, {})
-    if key in node and node[key] == old_behaviour:
-      del node[key]
+    _drop(resolved, dotted, as_json(old_behaviour), check=True)
   return json.dumps(resolved, sort_keys=True)
 
 
@@ -237,7 +260,7 @@ SCALES = {
                      "L": {"model.width": 192, "model.depth": 6, "model.num_heads": 6,
                            "model.mlp_dim": 768}},
         decoder_depths=(1, 2, 4),
-        seeds={"positional_encoding": 2, "readout": 2, "training_length": 2,
+        seeds={"positional_encoding": 3, "prefix": 3, "readout": 2, "training_length": 2,
                "patch_decoder": 2, "noise_schedule": 2, "ordering": 2, "scaling": 1}),
     # The paper's setting (ViT-B/16 to keep the sweeps affordable; the configs
     # give L/16 and H/14 too). Not run here: hundreds of TPU-days.
