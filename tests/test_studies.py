@@ -146,21 +146,29 @@ def test_how_a_stage_runs_is_not_part_of_its_id():
   assert S.stage(pre.kind, pre.config, pre.override_dict(), {"seed": 7}).id != pre.id
 
 
-def test_finetune_recipe_study_sweeps_crop_area_and_length_for_both_inits():
+def test_finetune_recipe_study_sweeps_augmentation_and_length_for_both_inits():
   long = S.get_scale("fmnist_long")
   study = catalog.get_study("finetune_recipe", long)
-  by = {(r.labels["init"], r.labels["crop"], r.labels["length"]): r for r in study.runs}
-  crops = {"none"} | {f"{c:g}-1" for c in long.recipe_crop_scales}
-  assert {k[1] for k in by} == crops
+  by = {(r.labels["init"], r.labels["augmentation"], r.labels["length"]): r
+        for r in study.runs}
+  paper = "paper: crop 0.2-1, RandAugment, mixup, cutmix"
+  recipes = {"none", paper} | {f"crop {c:g}-1" for c in long.recipe_crop_scales}
+  assert {k[1] for k in by} == recipes
   none = S.load_config(by[("DARL diffusion", "none", "x1")].stages[1])
   assert none.data.augment == "none"
-  pre, ft = by[("DARL diffusion", "0.5-1", "x2")].stages
+  pre, ft = by[("DARL diffusion", "crop 0.5-1", "x2")].stages
   c = S.load_config(ft)
   assert (c.data.augment, tuple(c.data.crop_scale)) == ("spatial", (0.5, 1.0))
+  assert (c.randaugment.num_ops, c.mixup.mixup_alpha, c.mixup.cutmix_alpha) == (0, 0.0, 0.0)
   assert (c.total_steps, c.optim.warmup_steps) == (8600, 860)
-  # Supervised at the base length only; both inits see the same crops.
-  assert ("scratch (supervised)", "0.5-1", "x2") not in by
-  (sup,) = by[("scratch (supervised)", "0.8-1", "x1")].stages
+  # The paper's recipe: RandAugment(9, 0.5), mixup 0.8, cutmix 1.0, at the base length.
+  for init in ("DARL diffusion", "scratch (supervised)"):
+    c = S.load_config(by[(init, paper, "x1")].stages[-1])
+    assert (c.randaugment.num_ops, c.randaugment.magnitude, c.mixup.mixup_alpha,
+            c.mixup.cutmix_alpha, c.total_steps) == (2, 9.0, 0.8, 1.0, 4300)
+  assert (("DARL diffusion", paper, "x2") not in by
+          and ("scratch (supervised)", "crop 0.5-1", "x2") not in by)
+  (sup,) = by[("scratch (supervised)", "crop 0.8-1", "x1")].stages
   assert tuple(S.load_config(sup).data.crop_scale) == (0.8, 1.0)
   # The scale's chosen recipe is one of the sweep's cells: the downstream
   # study's fine-tune and supervised stages are the same jobs.
@@ -168,9 +176,9 @@ def test_finetune_recipe_study_sweeps_crop_area_and_length_for_both_inits():
   ds = {(r.labels["init"], r.labels["protocol"]): r for r in downstream.runs}
   low = long.downstream["data.crop_scale"][0]
   assert (ds[("DARL diffusion", "fine-tune")].stages[1].id
-          == by[("DARL diffusion", f"{low:g}-1", "x1")].stages[1].id)
+          == by[("DARL diffusion", f"crop {low:g}-1", "x1")].stages[1].id)
   assert (ds[("scratch (supervised)", "fine-tune budget")].stages[0].id
-          == by[("scratch (supervised)", f"{low:g}-1", "x1")].stages[0].id)
+          == by[("scratch (supervised)", f"crop {low:g}-1", "x1")].stages[0].id)
   assert pre.id == ds[("DARL diffusion", "fine-tune")].stages[0].id
 
 
