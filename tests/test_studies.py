@@ -91,6 +91,26 @@ def test_best_block_accuracy_is_derived_from_the_per_block_accuracies():
   assert "best_block_accuracy" not in runner_lib.derived({"val_accuracy": 0.8})
 
 
+def test_downstream_linear_table_carries_the_raw_pixel_classifier(tmp_path):
+  study = catalog.get_study("downstream", TINY, seeds=1)
+  runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
+  rows, missing = runner_lib.comparator_records(runner, study)
+  assert rows == [] and "python -m darl_jax.studies.pixels" in missing[0]
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "pixels.json").write_text(json.dumps(
+      {"logistic": {"val_accuracy": 0.859}, "ridge": {"val_accuracy": 0.827}}))
+  rows, missing = runner_lib.comparator_records(runner, study)
+  assert not missing
+  linear = [t for t in study.tables if t.where.get("family") == "linear"
+            and "best_block" in t.metrics[0]][0]
+  table = R.table_markdown(linear, rows)
+  assert "| raw pixels, logistic regression | 85.9 |" in table
+  assert "| raw pixels, ridge regression | 82.7 |" in table
+  # Not a row of the tables it has no number for.
+  loss = [t for t in study.tables if t.metrics == ("pretrain/val_loss",)][0]
+  assert "raw pixels" not in R.table_markdown(loss, rows)
+
+
 def test_seeds_multiply_runs_and_reach_every_stage():
   one = catalog.get_study("readout", TINY, seeds=1)
   two = catalog.get_study("readout", TINY, seeds=2)

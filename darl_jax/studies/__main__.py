@@ -106,10 +106,12 @@ def main(argv):
                         stop_after_minutes=_STOP.value, child_args=child_args)
   for study in chosen:
     records, missing = runner_lib.records(runner, study)
+    comparators, absent = runner_lib.comparator_records(runner, study)
     seeds = _SEEDS.value or scale.seeds.get(study.name, 1)
     commands = [runner.command(s, portable=True) for s in study.stages()]
-    path = report_lib.write(study, records, runner.out / study.name, scale=scale.name,
-                            seeds=seeds, missing=missing, commands=commands)
+    path = report_lib.write(study, records + comparators, runner.out / study.name,
+                            scale=scale.name, seeds=seeds, missing=missing, commands=commands,
+                            missing_comparators=absent)
     print(f"{study.name}: {len(records)}/{len(study.runs)} runs complete; report {path}")
   if failed:
     print(f"{len(failed)} stage(s) failed: {', '.join(failed)} (logs in {runner.work})",

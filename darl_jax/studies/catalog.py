@@ -356,9 +356,10 @@ beyond the paper.""",
               R.Table("Attentive probe", ("init",), "protocol", (ACC,),
                       where={"family": "attentive"}),
               R.Table("Pretraining validation loss", ("init",), None, ("pretrain/val_loss",),
-                      where={"family": "linear"})],
+                      where={"family": "linear", "protocol": "linear probe"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
-                           ("init",), where={"family": "linear"})])
+                           ("init",), where={"family": "linear"})],
+      comparators=("pixels",))
 
 
 PAPER_AUGMENTATION = {"data.augment": "spatial", "data.crop_scale": (0.2, 1.0),

@@ -268,8 +268,11 @@ def correlations(x, y) -> str:
 
 
 def write(study, records: list[dict], folder: pathlib.Path, *, scale: str, seeds: int,
-          missing: list[str], commands: list[str]) -> pathlib.Path:
-  """``<folder>/README.md`` with the tables and plots of ``study``."""
+          missing: list[str], commands: list[str],
+          missing_comparators: list[str] = ()) -> pathlib.Path:
+  """``<folder>/README.md`` with the tables and plots of ``study``; ``records``
+  include the comparators' rows (``missing_comparators``: the commands of
+  those without a result file)."""
   folder.mkdir(parents=True, exist_ok=True)
   parts = [f"# {study.title}", "", f"Study `{study.name}`, scale `{scale}`, {seeds} seed(s); "
            f"{len(study.runs) - len(missing)} of {len(study.runs)} runs complete. Made by "
@@ -283,8 +286,9 @@ def write(study, records: list[dict], folder: pathlib.Path, *, scale: str, seeds
     parts += [f"![{spec.title}]({name})", ""]
     if note:
       parts += [note, ""]
-  if missing:
-    parts += ["## Missing runs", ""] + [f"- {m}" for m in missing] + [""]
+  if missing or missing_comparators:
+    parts += ["## Missing runs", ""] + [f"- {m}" for m in (*missing, *missing_comparators)]
+    parts += [""]
   parts += ["## Stages", "", "Each distinct stage as a command (the runner executes the same "
             "config in-process; `<work>` is the study's work folder):", "", "```"]
   parts += commands + ["```", ""]

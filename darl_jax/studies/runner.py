@@ -212,6 +212,35 @@ def derived(metrics: dict) -> dict:
   return {**metrics, "best_block_accuracy": max(blocks)} if blocks else metrics
 
 
+def pixel_records(out: pathlib.Path) -> tuple[list[dict], list[str]]:
+  """The raw-pixel linear classifiers of ``<out>/pixels.json`` as rows of the
+  linear-probe table (``family=linear``), or the command that makes them."""
+  result = files.read_json_or_none(out / "pixels.json")
+  if result is None:
+    return [], [f"raw pixels: python -m darl_jax.studies.pixels --data_path=<dir> "
+                f"--out={out / 'pixels.json'}"]
+  rows = []
+  for model, name in (("logistic", "logistic regression"), ("ridge", "ridge regression")):
+    acc = result[model]["val_accuracy"]
+    rows.append({"labels": {"init": f"raw pixels, {name}", "protocol": "linear classifier",
+                            "family": "linear", "seed": 0},
+                 "metrics": {"last/val_accuracy": acc, "last/best_block_accuracy": acc}})
+  return rows, []
+
+
+COMPARATORS = {"pixels": pixel_records}
+
+
+def comparator_records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
+  """(report rows of the study's comparators, commands for those missing)."""
+  rows, missing = [], []
+  for name in study.comparators:
+    found, absent = COMPARATORS[name](runner.out)
+    rows += found
+    missing += absent
+  return rows, missing
+
+
 def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
   """(report records of the complete runs, names of incomplete runs)."""
   out, missing = [], []

@@ -125,6 +125,9 @@ class Study:
   runs: list[Run]
   tables: list = dataclasses.field(default_factory=list)
   plots: list = dataclasses.field(default_factory=list)
+  # Rows that come from a result file in <out> rather than from stages
+  # (runner.COMPARATORS): the raw-pixel linear classifier.
+  comparators: tuple = ()
 
   def __post_init__(self):
     names = [r.name for r in self.runs]
