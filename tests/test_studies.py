@@ -82,6 +82,14 @@ def test_downstream_study_has_its_comparators_at_the_stated_budgets():
   assert S.load_config(both).total_steps == 4300 + 8600
   assert S.load_config(budget).batch_size == ft.batch_size == 256
   assert ft.model.depth == 6 and ft.optim.num_layers == 6
+  # A scale whose supervised stages have their own length (fmnist: 900 steps)
+  # still gets a comparator at the fine-tuning budget.
+  short = catalog.get_study("downstream", S.get_scale("fmnist"), seeds=1)
+  by = {(r.labels["init"], r.labels["protocol"]): r.stages[-1] for r in short.runs}
+  budget = S.load_config(by[("scratch (supervised)", "fine-tune budget")])
+  both = S.load_config(by[("scratch (supervised)", "pretraining + fine-tuning budget")])
+  assert (budget.total_steps, both.total_steps) == (300, 900)
+  assert S.load_config(by[("DARL diffusion", "fine-tune")]).total_steps == 300
 
 
 def test_best_block_accuracy_is_derived_from_the_per_block_accuracies():

@@ -305,6 +305,10 @@ def downstream(scale: S.Scale, seeds: int) -> S.Study:
     pre_steps = scale.pretrain["total_steps"] * pre_batch // scale.common["batch_size"]
     both = {"total_steps": scale.downstream["total_steps"] + pre_steps}
   multi = tuple(range(max(depth - 3, 0), depth))
+  # The fine-tuning length, also where the scale gives supervised stages
+  # their own (the fmnist scale's 900 steps = pretraining + fine-tuning).
+  ft_budget = {k: v for k, v in scale.downstream.items()
+               if k in (scale.length_key, "optim.warmup_steps")}
   for seed in range(seeds):
     for objective in ("diffusion", "mse"):
       pre = pretrain(scale, objective, seed)
@@ -328,7 +332,7 @@ def downstream(scale: S.Scale, seeds: int) -> S.Study:
                          "family": "attentive", "seed": seed},
                         (attentive_probe(scale, None, seed, multi),)))
     runs.append(S.Run({"init": "scratch (supervised)", "protocol": "fine-tune budget",
-                       "family": "tuned", "seed": seed}, (supervised(scale, seed),)))
+                       "family": "tuned", "seed": seed}, (supervised(scale, seed, ft_budget),)))
     if both:
       runs.append(S.Run({"init": "scratch (supervised)",
                          "protocol": "pretraining + fine-tuning budget", "family": "tuned",
