@@ -296,7 +296,8 @@ def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   listed = subprocess.run(args + ["--list"], capture_output=True, text=True, cwd=ROOT,
                           env=env, check=True).stdout
-  assert "# 5 distinct stages; 5 to run" in listed
+  # 3 pretraining steps and 4 x 2 fine-tuning steps of 16 images.
+  assert "# 5 distinct stages; 5 to run (176 training images" in listed
   # --runs: only the runs whose name matches (and the stages they need).
   some = subprocess.run(args + ["--list", "--runs=^masking=causal"], capture_output=True,
                         text=True, cwd=ROOT, env=env, check=True).stdout

@@ -88,8 +88,10 @@ def main(argv):
       print(f"# {study.name}: {len(study.runs)} runs, {len(study.stages())} stages")
       for run in selected(study, _RUNS.value):
         print(f"{run.name}: {' -> '.join(s.id for s in run.stages)}")
-    print(f"# {len(stages)} distinct stages; {len(runner.plan(stages))} to run")
-    for s in runner.plan(stages):
+    todo = runner.plan(stages)
+    print(f"# {len(stages)} distinct stages; {len(todo)} to run "
+          f"({S.training_images(todo)})")
+    for s in todo:
       print(runner.command(s))
     return
 

@@ -342,6 +342,21 @@ SCALES["fmnist_long"] = dataclasses.replace(
                                 "prefix", "downstream")})
 
 
+def training_images(stages) -> str:
+  """Training images the stages see (steps x batch), as text; stages whose
+  length is in epochs are counted as such."""
+  images, epochs = 0, 0.0
+  for s in stages:
+    config = load_config(s)
+    if config.get("total_steps", 0) > 0:
+      images += config.total_steps * config.batch_size
+    else:
+      epochs += config.total_epochs
+  parts = ([f"{images:,} training images"] if images or not epochs else [])
+  parts += [f"{epochs:g} epochs of training"] if epochs else []
+  return " + ".join(parts)
+
+
 def get_scale(name: str) -> Scale:
   if name not in SCALES:
     raise ValueError(f"unknown study scale {name!r}; valid: {', '.join(SCALES)}")
