@@ -14,7 +14,11 @@ fine-tuning table scaled to CPU minutes: AdamW (0.9, 0.95) at peak lr 1e-3,
 weight decay 0.05, layer-wise lr decay 0.75, 10% warm-up then cosine, label
 smoothing 0.1, RandAug(9, 0.5) + mixup 0.8 + cutmix 1.0 unless ``light``.
 
-Expect: see docs/RESULTS.md (pretrained vs random initialisation).
+Expect (docs/RESULTS.md, "Downstream at the minute scale", one seed): from
+600 steps of diffusion pretraining at batch 256, 300 ``light`` steps give
+84.0% (83.0% from random initialisation at the same budget); the heavy
+recipe gives 61.5% in 300 steps. A larger model fine-tuned for 20 epochs
+reaches 92.8% (docs/STUDIES.md, fmnist_long).
 """
 
 from darl_jax import config_lib

@@ -17,7 +17,10 @@ batch 256 rather than rescaled to 0.1: LARS moves a weight matrix by at most
 lr x 1e-3 of its norm per step, and a 300-step run needs the full rate (see
 darl_jax/train/linear_probe.py).
 
-Expect: see docs/RESULTS.md.
+Expect (docs/RESULTS.md, "Downstream at the minute scale", one seed): best
+block 78.0% after 600 steps of diffusion pretraining at batch 256 (MSE 74.7%,
+random backbone 66.8%, a logistic regression on the raw pixels 85.9%); 87.9%
+after 40 epochs of a larger model (docs/STUDIES.md, fmnist_long).
 """
 
 from darl_jax import config_lib

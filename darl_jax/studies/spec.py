@@ -310,7 +310,8 @@ SCALES = {
 #   the supervised recipe (mean pool, no layer decay), at the fine-tuning
 #   budget and at the pretraining + fine-tuning budget (downstream study);
 # - probes: 10 epochs at batch 256 on frozen causal features (linear: LARS at
-#   peak lr 32, the better of the two rates of docs/RESULTS.md; attentive:
+#   peak lr 32 rather than the config's 6.4, since LARS's 1e-3 trust ratio
+#   makes small rates slow over a short probe; attentive:
 #   AdamW 1e-3).
 _LONG_MODEL = {"model.width": 256, "model.depth": 6, "model.num_heads": 4,
                "model.mlp_dim": 1024}
