@@ -23,7 +23,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ["XLA_FLAGS"] = with_xla_flag("--xla_backend_optimization_level=0")
 
 
+import socket  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+  """Fails any Python-level connection attempt: nothing may download. Opt-in
+  (``pytestmark = pytest.mark.usefixtures("no_network")``): the multi-host
+  tests connect to local coordinators."""
+
+  def refuse(self, address):
+    raise RuntimeError(f"network access attempted in a test: {address}")
+
+  monkeypatch.setattr(socket.socket, "connect", refuse)
+  monkeypatch.setattr(socket.socket, "connect_ex", refuse)
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ go through the same resampling of the same box. No network, no downloads.
 import io
 import os
 import runpy
-import socket
 import types
 
 import ml_collections
@@ -33,6 +32,7 @@ from darl_jax.data import image_folder
 from darl_jax.data import indexed
 from darl_jax.data import tfds_records
 from darl_jax.data import vtab_tasks
+from idx_files import write_idx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = (1.0, 1.0)
@@ -40,15 +40,7 @@ NUM_U = 4 * aug.CROP_ATTEMPTS + 1
 BAD_SCALES = [(0.5, 0.2), (0.0, 1.0), (0.3, 1.5), (0.5,)]
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-  """Fails any Python-level connection attempt: nothing may download."""
-
-  def refuse(self, address):
-    raise RuntimeError(f"network access attempted in a test: {address}")
-
-  monkeypatch.setattr(socket.socket, "connect", refuse)
-  monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")   # conftest.py
 
 
 def flips_of(seed, positions):
@@ -251,15 +243,6 @@ def test_finetune_experiment_data_config_reaches_source():
   train, eval_images, flips = train_and_eval(source, batch_size=32)
   want = expected_full_crop(eval_images, flips).astype(np.int32)
   assert np.abs(train.astype(np.int32) - want).max() <= 1
-
-
-def write_idx(path, array):
-  import gzip  # pylint: disable=g-import-not-at-top
-  import struct  # pylint: disable=g-import-not-at-top
-  with gzip.open(path, "wb") as f:
-    f.write(bytes([0, 0, 0x08, array.ndim]))
-    f.write(struct.pack(f">{array.ndim}I", *array.shape))
-    f.write(array.astype(np.uint8).tobytes())
 
 
 def test_fashion_mnist_build_passes_crop_scale(tmp_path):

@@ -3,8 +3,6 @@ augmentation, errors. No network; TensorFlow tests skip if TF is absent."""
 
 import gzip
 import os
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -17,6 +15,7 @@ from PIL import Image
 from darl_jax.data import augment as aug
 from darl_jax.data import build_source
 from darl_jax.data import fashion_mnist
+from idx_files import write_idx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBIAN_DIR = fashion_mnist.DEFAULT_PATH
@@ -25,22 +24,7 @@ HAVE_DEBIAN = os.path.isfile(
 FAKE_TRAIN, FAKE_TEST, FAKE_VAL = 300, 100, 50
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-  """Fails any Python-level connection attempt: nothing may download."""
-
-  def refuse(self, address):
-    raise RuntimeError(f"network access attempted in a test: {address}")
-
-  monkeypatch.setattr(socket.socket, "connect", refuse)
-  monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-
-
-def write_idx(path, array):
-  with gzip.open(path, "wb") as f:
-    f.write(bytes([0, 0, 0x08, array.ndim]))
-    f.write(struct.pack(f">{array.ndim}I", *array.shape))
-    f.write(array.astype(np.uint8).tobytes())
+pytestmark = pytest.mark.usefixtures("no_network")   # conftest.py
 
 
 @pytest.fixture(scope="session")
