@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from darl_jax import ops
+from darl_jax.data import augment
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -386,7 +387,6 @@ _RULES = [
 _LIST_RULES = [
     ("fewshot_eval.shots", _int(1), "positive integers", "1,5,10,25"),
     ("fewshot_eval.l2_grid", lambda v: v > 0, "positive numbers", "1.0,1024.0"),
-    ("data.crop_scale", lambda v: 0 < v <= 1, "area fractions in (0, 1]", "0.2,1.0"),
 ]
 
 
@@ -415,9 +415,11 @@ def validate(config) -> None:
   for dotted, ok, want, example in _LIST_RULES:
     _check_list(config, dotted, ok, want, example)
   scale = config.get("data", {}).get("crop_scale")
-  if scale is not None and (len(scale) != 2 or scale[0] > scale[1]):
-    raise ConfigError(f"config.data.crop_scale must be (min, max) with min <= max, got "
-                      f"{scale!r}: set --config.data.crop_scale=(0.2,1.0)")
+  if scale is not None:
+    try:
+      augment.check_crop_scale(scale)   # the rule the data sources apply
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from None
   for op, valid in ops.CHOICES.items():
     value = config.get("kernels", {}).get(op, "auto")
     if value not in valid:

@@ -45,6 +45,8 @@ def check_crop_scale(scale) -> tuple[float, float]:
   """``(min, max)`` area fractions with 0 < min <= max <= 1, as floats; a
   clear error naming ``data.crop_scale`` otherwise."""
   try:
+    if any(isinstance(v, bool) for v in scale):
+      raise TypeError("booleans are not area fractions")
     lo, hi = (float(v) for v in scale)
   except (TypeError, ValueError):
     lo = hi = float("nan")

@@ -82,13 +82,13 @@ KEYS_ADDED = {
 }
 
 
-def _drop(resolved: dict, dotted: str, only_if=None, check: bool = False) -> None:
+def _parent(resolved: dict, dotted: str) -> tuple[dict, str]:
+  """The dict holding ``dotted``'s last key (an empty one if a level is absent)."""
   *path, key = dotted.split(".")
   node = resolved
   for part in path:
     node = node.get(part, {})
-  if key in node and (not check or node[key] == only_if):
-    del node[key]
+  return node, key
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,9 +97,12 @@ def _resolved(config: str, overrides: tuple) -> str:
   as_json = lambda obj: json.loads(json.dumps(obj, default=repr))  # tuples -> lists
   resolved = as_json(load_config(Stage("", config, overrides)).to_dict())
   for dotted in HOW_KEYS:
-    _drop(resolved, dotted)
+    node, key = _parent(resolved, dotted)
+    node.pop(key, None)
   for dotted, old_behaviour in KEYS_ADDED.items():
-    _drop(resolved, dotted, as_json(old_behaviour), check=True)
+    node, key = _parent(resolved, dotted)
+    if key in node and node[key] == as_json(old_behaviour):
+      del node[key]
   return json.dumps(resolved, sort_keys=True)
 
 
