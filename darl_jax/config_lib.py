@@ -348,7 +348,9 @@ _RULES = [
     ("data.channels", _int(1), "a positive integer", 3),
     ("data.val_split_size", _int(0), "an integer >= 0", 5000),
     ("data.num_workers", _int(-1), "an integer >= -1 (-1: automatic)", -1),
-    ("decoder.depth", _int(1), "a positive integer", 1),
+    # 0 is the paper's linear patch decoder whatever decoder.kind says (the
+    # patch_decoder study's depth-0 column); the models treat it so.
+    ("decoder.depth", _int(0), "an integer >= 0 (0: one linear layer)", 1),
     ("decoder.width", _int(0), "an integer >= 0 (0: the backbone's)", 0),
     ("decoder.num_heads", _int(0), "an integer >= 0 (0: the backbone's)", 0),
     ("loss.noise_a", lambda v: v > 0, "a positive number", 0.03),

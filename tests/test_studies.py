@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from darl_jax import config_lib
 from darl_jax.models import vit as vit_lib
 from darl_jax.studies import catalog
 from darl_jax.studies import report as R
@@ -29,6 +30,7 @@ def test_every_study_expands_to_valid_configs(scale):
     assert study.runs and study.tables
     for stage in study.stages():
       config = S.load_config(stage)            # unknown override keys raise here
+      config_lib.validate(config)              # what main.py checks before it runs
       assert config.trainer == {"pretrain": "pretrain", "finetune": "finetune",
                                 "probe": "linear_probe", "attentive_probe": "attentive_probe",
                                 "supervised": "supervised"}[stage.kind]
