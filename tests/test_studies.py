@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from darl_jax import config_lib
+from darl_jax.data import pipeline
 from darl_jax.models import vit as vit_lib
 from darl_jax.studies import catalog
 from darl_jax.studies import report as R
@@ -320,6 +321,27 @@ def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
   assert sorted(p.name for p in work.glob("*.log")) == sorted(
       f"{s.id}.log" for s in stages[3:])
   assert (out / "readout" / "README.md").exists()
+
+
+def test_parallel_stages_split_the_hosts_cores_between_their_data_workers(tmp_path,
+                                                                          monkeypatch):
+  seen = {}
+
+  class FakePopen:
+    def __init__(self, args, env, **kwargs):
+      seen.update(env)
+
+  monkeypatch.setattr(runner_lib.subprocess, "Popen", FakePopen)
+  monkeypatch.delenv("DARL_PROCESSES_PER_HOST", raising=False)
+  runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
+  stage = catalog.get_study("readout", TINY).stages()[0]
+  _, log, _ = runner._spawn(stage, 7, [])
+  log.close()
+  assert seen["DARL_PROCESSES_PER_HOST"] == "7"
+  monkeypatch.setenv("DARL_PROCESSES_PER_HOST", "7")
+  monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)),
+                      raising=False)
+  assert pipeline.resolve_num_workers(-1) == 2     # 16 cores / 7 stages
 
 
 def test_a_failed_parent_fails_its_children_and_the_rest_goes_on(tmp_path, monkeypatch):
