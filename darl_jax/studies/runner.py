@@ -189,9 +189,10 @@ class Runner:
     # XLA_* settings win.)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # The stages share the host's cores: each sizes its automatic data
-    # workers (data.num_workers=-1) to its share. Without this each of
-    # --parallel=14 stages started one worker per core, 14 x 16 processes on a
-    # 16-core host, and a 600-step fmnist stage took 100-200 s instead of 40.
+    # workers (data.num_workers=-1) to its share. Without this each stage
+    # started one worker per core, --parallel times more workers than cores,
+    # and the small CPU-bound stages ran several times slower
+    # (docs/STUDIES.md, "Throughput for planning").
     env.setdefault("DARL_PROCESSES_PER_HOST", str(parallel))
     proc = subprocess.Popen([sys.executable, "-m", "darl_jax.studies", *child_args,
                              f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
