@@ -9,6 +9,7 @@ only where the exit code and the one-line error are the point.
 import json
 import os
 import pathlib
+import runpy
 import shutil
 import signal
 import subprocess
@@ -486,3 +487,20 @@ def test_sigterm_during_a_save_waits_for_the_save(tmp_path):               # 2
   finally:
     signal.signal(signal.SIGTERM, old_term)
     signal.signal(signal.SIGINT, old_int)
+
+
+
+# ----------------------- every shipped config passes the checks main.py applies
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "experiments").glob("*.py")))
+def test_every_experiment_config_passes_validation(name):
+  config = runpy.run_path(str(ROOT / "experiments" / name))["get_config"](None)
+  config_lib.validate(config)
+
+
+def test_decoder_depth_zero_is_the_linear_decoder_and_valid():
+  # The patch_decoder study's depth-0 column; validation once refused it.
+  config_lib.validate(tiny(**{"decoder.kind": "transformer", "decoder.depth": 0}))
+  with pytest.raises(config_lib.ConfigError, match=r"set --config.decoder.depth=1"):
+    config_lib.validate(tiny(**{"decoder.depth": -1}))
