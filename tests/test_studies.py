@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from darl_jax import config_lib
@@ -382,6 +383,50 @@ def test_tables_average_seeds_and_take_the_best_over_labels():
   assert missing.endswith("| kind |\n|---|")   # no matching runs: no rows, no columns
   assert R.fmt("pretrain/val_loss", [0.25]) == "0.2500"
   assert R.fmt("x/val_accuracy", []) == "—"
+
+
+def test_comparisons_give_the_welch_difference_and_read_it():
+  recs = [{"labels": {"arm": arm, "cell": cell, "seed": seed},
+           "metrics": {"last/val_accuracy": acc}}
+          for arm, cell, seed, acc in [("x", 1, 0, 0.80), ("x", 1, 1, 0.82), ("x", 2, 0, 0.84),
+                                       ("y", 1, 0, 0.70), ("y", 1, 1, 0.71),
+                                       ("z", 1, 0, 0.60)]]
+  md = R.comparisons_markdown((
+      # x pools both cells (3 runs) against y's 2: (0.82 - 0.705) / SE
+      R.Comparison("x against y", {"arm": "x"}, {"arm": "y"}),
+      R.Comparison("x cell 1 against x or y cell 1", {"arm": "x"},
+                   {"arm": frozenset({"x", "y"})}, where={"cell": 1}),
+      R.Comparison("x against z", {"arm": "x"}, {"arm": "z"})), recs)
+  rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines()
+          if line.startswith("| x")}
+  se = np.sqrt(np.var([0.80, 0.82, 0.84], ddof=1) / 3 + np.var([0.70, 0.71], ddof=1) / 2)
+  assert rows["x against y"][4] == f"+11.50 ± {100 * se:.2f} ({0.115 / se:.1f} SE)"
+  assert rows["x against y"][5].startswith("beyond noise")
+  assert rows["x cell 1 against x or y cell 1"][3] == "75.8 ± 6.1 (4)"
+  assert rows["x against z"][5].startswith("too few runs")
+  assert R.verdict(2.5, 1.0) == "suggestive" and R.verdict(-1.0, 1.0) == "within noise"
+  assert R.verdict(0.31, 0.1) == "beyond noise" and R.difference([1.0], [2.0, 3.0]) is None
+
+
+@pytest.mark.parametrize("scale", sorted(S.SCALES))
+def test_every_comparison_selects_runs_on_both_sides(scale):
+  for name in catalog.STUDIES:
+    study = catalog.get_study(name, S.get_scale(scale), seeds=1)
+    for c in study.comparisons:
+      a = [r.name for r in study.runs if R._matches(r.labels, {**c.where, **c.a})]
+      b = [r.name for r in study.runs if R._matches(r.labels, {**c.where, **c.b})]
+      assert a and b and not set(a) & set(b), (scale, name, c.claim)
+
+
+def test_a_study_report_carries_its_comparisons(tmp_path):
+  study = catalog.get_study("readout", TINY, seeds=2)
+  recs = [{"labels": r.labels, "metrics": {"last/val_accuracy": 0.5 + 0.1 * r.labels["seed"]
+                                          + (0.2 if r.labels["readout"] == "last" else 0)}}
+          for r in study.runs]
+  text = R.write(study, recs, tmp_path, scale="tiny", seeds=2, missing=[],
+                 commands=[]).read_text()
+  assert "| causal: last token against mean pool | last/val_accuracy |" in text
+  assert "+20.00 ± 7.07 (2.8 SE) | suggestive |" in text
 
 
 def test_every_plot_kind_writes_a_png(tmp_path):

@@ -56,6 +56,7 @@ def positional_encoding(scale: S.Scale, seeds: int) -> S.Study:
   size = scale.eval_size
   eval_at = {"eval_image_sizes": (size,)}
   runs = []
+  darl = "DARL (causal) + fine-tune"
   for seed in range(seeds):
     for pe in POSENCS:
       arch = {"model.posenc": pe}
@@ -63,7 +64,7 @@ def positional_encoding(scale: S.Scale, seeds: int) -> S.Study:
         runs.append(S.Run({"posenc": pe, "protocol": protocol, "seed": seed},
                           (supervised(scale, seed, arch, eval_at, {"model.causal": causal}),)))
       pre = pretrain(scale, "mse", seed, arch)
-      runs.append(S.Run({"posenc": pe, "protocol": "DARL (causal) + fine-tune", "seed": seed},
+      runs.append(S.Run({"posenc": pe, "protocol": darl, "seed": seed},
                         (pre, finetune(scale, pre, seed, arch, eval_at))))
   return S.Study(
       "positional_encoding", "Positional encodings (paper table \"positional encodings\")",
@@ -80,12 +81,26 @@ of resolution, 1D RoPE does not (without fine-tuning at the new size).""",
                       (ACC,)),
               R.Table(f"Evaluated at {size}x{size} (trained at the scale's size; positions "
                       "interpolated, no further training)", ("posenc",), "protocol",
-                      (f"last/val_accuracy_at_{size}",))])
+                      (f"last/val_accuracy_at_{size}",))],
+      comparisons=(
+          R.Comparison("DARL: 2D RoPE against 1D RoPE", {"posenc": "rope2d"},
+                       {"posenc": "rope1d"}, where={"protocol": darl}),
+          R.Comparison("DARL: 2D RoPE against no position encoding", {"posenc": "rope2d"},
+                       {"posenc": "none"}, where={"protocol": darl}),
+          R.Comparison("DARL: RoPE (1D or 2D) against sin-cos and learned",
+                       {"posenc": frozenset({"rope1d", "rope2d"})},
+                       {"posenc": frozenset({"sincos2d", "learned"})}, where={"protocol": darl}),
+          R.Comparison(f"DARL at {size}x{size}: 2D RoPE against 1D RoPE", {"posenc": "rope2d"},
+                       {"posenc": "rope1d"}, f"last/val_accuracy_at_{size}",
+                       where={"protocol": darl}),
+          R.Comparison("supervised: causal mask against none (all encodings)",
+                       {"protocol": "supervised + causal"}, {"protocol": "supervised"})))
 
 
 def patch_decoder(scale: S.Scale, seeds: int) -> S.Study:
   runs = []
   depths = (0,) + tuple(scale.decoder_depths)
+  hidden, hidden_1 = frozenset(scale.decoder_depths), scale.decoder_depths[0]
   for seed in range(seeds):
     for depth in depths:
       kind = "linear" if depth == 0 else "mlp"
@@ -115,7 +130,25 @@ few tenths); the paper keeps one Transformer block.""",
       tables=[R.Table("Fine-tuned accuracy by patch decoder", ("objective", "decoder",
                                                                  "gamma_cond"), "depth", (ACC,)),
               R.Table("Pretraining validation loss (per objective; not comparable across)",
-                      ("objective", "decoder", "gamma_cond"), "depth", ("pretrain/val_loss",))])
+                      ("objective", "decoder", "gamma_cond"), "depth", ("pretrain/val_loss",))],
+      comparisons=(
+          R.Comparison("hidden-layer decoders against one linear layer (all rows)",
+                       {"depth": hidden}, {"depth": 0}),
+          R.Comparison("MSE: hidden-layer decoder against one linear layer",
+                       {"depth": hidden}, {"depth": 0}, where={"objective": "mse"}),
+          R.Comparison("diffusion: Transformer decoder against MLP (depth >= 1)",
+                       {"decoder": "transformer"}, {"decoder": "mlp"},
+                       where={"objective": "diffusion", "depth": hidden}),
+          R.Comparison("diffusion: gamma conditioning against none (depth >= 1)",
+                       {"gamma_cond": "yes"}, {"gamma_cond": "no"},
+                       where={"objective": "diffusion", "depth": hidden}),
+          R.Comparison(f"diffusion + Transformer: gamma conditioning against none, depth "
+                       f"{hidden_1}", {"gamma_cond": "yes"}, {"gamma_cond": "no"},
+                       "pretrain/val_loss",
+                       where={"decoder": "transformer", "depth": hidden_1}),
+          R.Comparison("diffusion + Transformer against MSE + MLP (depth >= 1)",
+                       {"objective": "diffusion", "decoder": "transformer"},
+                       {"objective": "mse"}, where={"depth": hidden})))
 
 
 def noise_schedule(scale: S.Scale, seeds: int) -> S.Study:
@@ -145,7 +178,24 @@ Across patch sizes 16-56, diffusion degrades more gracefully than MSE.""",
               R.Table("MSE vs the best diffusion schedule per patch size", ("patch",),
                       "objective", (ACC,), best_over=("a", "b"))],
       plots=[R.Heatmap("Fine-tuned accuracy over the noise schedule", "a", "b", ACC,
-                       facet="patch", where={"objective": "diffusion"})])
+                       facet="patch", where={"objective": "diffusion"})],
+      comparisons=tuple(_schedule_comparisons(scale)))
+
+
+def _schedule_comparisons(scale: S.Scale):
+  """Against MSE, the uniform schedule Beta(1, 1), fixed before the sweep,
+  rather than the best of the grid's cells (a maximum over cells is biased
+  upwards by their noise). Scales whose grid lacks 1 compare the corners."""
+  lo, hi = min(scale.beta_grid), max(scale.beta_grid)
+  ref = 1.0 if 1.0 in scale.beta_grid else lo
+  for p in scale.patch_sizes:
+    diffusion = lambda a, b: {"objective": "diffusion", "a": a, "b": b}
+    yield R.Comparison(f"patch {p}: Beta({ref:g}, {ref:g}) against MSE", diffusion(ref, ref),
+                       {"objective": "mse"}, where={"patch": p})
+    yield R.Comparison(f"patch {p}: low noise Beta({hi:g}, {lo:g}) against Beta({ref:g}, "
+                       f"{ref:g})", diffusion(hi, lo), diffusion(ref, ref), where={"patch": p})
+    yield R.Comparison(f"patch {p}: heavy noise Beta({ref:g}, {hi:g}) against Beta({ref:g}, "
+                       f"{ref:g})", diffusion(ref, hi), diffusion(ref, ref), where={"patch": p})
 
 
 def training_length(scale: S.Scale, seeds: int) -> S.Study:
@@ -178,7 +228,17 @@ the middle of the network. Here the length axis is `{key}`.""",
       plots=[R.Lines("Fine-tuned accuracy vs pretraining length", "length", "objective", ACC,
                      where={}),
              R.DepthCurves("Linear probe accuracy by block (seed 0)", "probe/val_accuracy_block_",
-                           ("objective", "length"), where={"seed": 0})])
+                           ("objective", "length"), where={"seed": 0})],
+      comparisons=tuple(
+          [R.Comparison(f"diffusion against MSE, length={length:g}", {"objective": "diffusion"},
+                        {"objective": "mse"}, where={"length": length})
+           for length in scale.lengths]
+          + [R.Comparison(f"{objective}: length={scale.lengths[-1]:g} against "
+                          f"length={scale.lengths[0]:g}",
+                          {"length": scale.lengths[-1]}, {"length": scale.lengths[0]},
+                          where={"objective": objective}) for objective in ("mse", "diffusion")]
+          + [R.Comparison(f"x0 against eps prediction, length={mid:g}", {"objective": "diffusion"},
+                          {"objective": "diffusion (eps)"}, where={"length": mid})]))
 
 
 def readout(scale: S.Scale, seeds: int) -> S.Study:
@@ -199,7 +259,14 @@ mask is about 1 point better; with it, the last token is the better
 descriptor.""",
       runs=runs,
       tables=[R.Table("Fine-tuned accuracy by mask and read-out", ("masking",), "readout",
-                      (ACC,))])
+                      (ACC,))],
+      comparisons=(
+          R.Comparison("causal: last token against mean pool", {"readout": "last"},
+                       {"readout": "mean"}, where={"masking": "causal"}),
+          R.Comparison("mean pool: full attention against causal", {"masking": "full"},
+                       {"masking": "causal"}, where={"readout": "mean"}),
+          R.Comparison("last token: full attention against causal", {"masking": "full"},
+                       {"masking": "causal"}, where={"readout": "last"})))
 
 
 def ordering(scale: S.Scale, seeds: int) -> S.Study:
@@ -242,7 +309,19 @@ pretraining order.""",
               R.Table("Two-stream: fine-tuned accuracy (raster order)", ("ordering",), "length",
                       (ACC,), where={"family": "two-stream"}),
               R.Table("Two-stream: pretraining validation loss (own order)", ("ordering",),
-                      "length", ("pretrain/val_loss",), where={"family": "two-stream"})])
+                      "length", ("pretrain/val_loss",), where={"family": "two-stream"})],
+      comparisons=(
+          R.Comparison("nested raster (all blocks) against raster", {"ordering": "nested_raster"},
+                       {"ordering": "raster"}, where={"family": "fixed"}),
+          R.Comparison("round-robin (all blocks) against raster", {"ordering": "round_robin"},
+                       {"ordering": "raster"}, where={"family": "fixed"}),
+          R.Comparison("round-robin against nested raster (all blocks)",
+                       {"ordering": "round_robin"}, {"ordering": "nested_raster"},
+                       where={"family": "fixed"}),
+          *(R.Comparison(f"two-stream: random against raster order, length={length:g}",
+                         {"ordering": "random"}, {"ordering": "raster"},
+                         where={"family": "two-stream", "length": length})
+            for length in scale.two_stream_lengths)))
 
 
 def scaling(scale: S.Scale, seeds: int) -> S.Study:
@@ -266,7 +345,11 @@ are comparable within an objective only.""",
       tables=[R.Table("Pretraining loss and fine-tuned accuracy", ("objective", "size", "length"),
                       None, ("pretrain/val_loss", ACC))],
       plots=[R.Scatter("Fine-tuned accuracy vs pretraining validation loss", "pretrain/val_loss",
-                       ACC, "objective")])
+                       ACC, "objective")],
+      comparisons=tuple(R.Comparison(f"diffusion against MSE, size={size}, length={length:g}",
+                                     {"objective": "diffusion"}, {"objective": "mse"},
+                                     where={"size": size, "length": length})
+                        for size in scale.model_sizes for length in lengths))
 
 
 def prefix(scale: S.Scale, seeds: int) -> S.Study:
@@ -290,7 +373,11 @@ pretraining. Question: does prefix-causal pretraining raise full-attention
 fine-tuning above causal pretraining's?""",
       runs=runs,
       tables=[R.Table("Fine-tuned accuracy (last token) by pretraining and fine-tuning mask",
-                      ("pretraining",), "fine-tuning", (ACC,))])
+                      ("pretraining",), "fine-tuning", (ACC,))],
+      comparisons=tuple(
+          R.Comparison(f"{ft} fine-tuning: prefix-causal against causal pretraining",
+                       {"pretraining": "prefix-causal"}, {"pretraining": "causal"},
+                       where={"fine-tuning": ft}) for ft in ("full", "causal")))
 
 
 def downstream(scale: S.Scale, seeds: int) -> S.Study:
@@ -363,7 +450,24 @@ beyond the paper.""",
                       where={"family": "linear", "protocol": "linear probe"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
                            ("init",), where={"family": "linear"})],
-      comparators=("pixels",))
+      comparators=("pixels",),
+      comparisons=(
+          R.Comparison("fine-tuned: DARL diffusion against the ViT from scratch (fine-tune "
+                       "budget)", {"init": "DARL diffusion", "protocol": "fine-tune"},
+                       {"init": "scratch (supervised)", "protocol": "fine-tune budget"}),
+          R.Comparison("fine-tuned: DARL diffusion against DARL MSE",
+                       {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                       where={"protocol": "fine-tune"}),
+          R.Comparison("linear probe, best block: DARL diffusion against DARL MSE",
+                       {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                       "last/best_block_accuracy", where={"family": "linear"}),
+          R.Comparison("linear probe, best block: DARL diffusion against a random backbone",
+                       {"init": "DARL diffusion"}, {"init": "random"},
+                       "last/best_block_accuracy", where={"family": "linear"}),
+          *((R.Comparison(f"attentive probe {_blocks((depth - 1,))}: DARL diffusion against "
+                          "DARL MSE", {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                          where={"protocol": f"attentive probe {_blocks((depth - 1,))}"}),)
+            if scale.attentive_probe else ())))
 
 
 PAPER_AUGMENTATION = {"data.augment": "spatial", "data.crop_scale": (0.2, 1.0),

@@ -73,11 +73,29 @@ class DepthCurves:
   where: dict = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  """One of the paper's claims as a difference of means: the runs matching
+  ``a`` against those matching ``b`` (both within ``where``) on ``metric``.
+  A label's value may be a frozenset, "any of these"; the runs a selector
+  matches are pooled, seeds and any label it leaves open alike. The report
+  gives the difference with its standard error (Welch: the root of the
+  summed variances of the two means) and reads it with ``verdict``."""
+  claim: str
+  a: dict
+  b: dict
+  metric: str = "last/val_accuracy"
+  where: dict = dataclasses.field(default_factory=dict)
+
+
 # ---------------------------------------------------------------- helpers
 
 
 def _matches(labels: dict, where: dict) -> bool:
-  return all(labels.get(k) == v for k, v in where.items())
+  """Every key of ``where`` has its value in ``labels`` (a frozenset value:
+  one of its members)."""
+  return all(labels.get(k) in v if isinstance(v, frozenset) else labels.get(k) == v
+             for k, v in where.items())
 
 
 def _ordered(values) -> list:
@@ -154,6 +172,48 @@ def table_markdown(table: Table, records: list[dict]) -> str:
   lines.append("| " + " | ".join(header) + " |")
   lines.append("|" + "---|" * len(header))
   lines += ["| " + " | ".join(row) + " |" for row in body]
+  return "\n".join(lines)
+
+
+def _values(records: list[dict], where: dict, metric: str) -> list[float]:
+  return [float(r["metrics"][metric]) for r in records
+          if _matches(r["labels"], where) and r["metrics"].get(metric) is not None]
+
+
+def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
+  """``(mean(a) - mean(b), its standard error)`` by Welch; None when a side
+  has fewer than two values (no spread to compare against)."""
+  if len(a) < 2 or len(b) < 2:
+    return None
+  se = float(np.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b)))
+  return float(np.mean(a) - np.mean(b)), se
+
+
+def verdict(diff: float, se: float) -> str:
+  """At least three standard errors: beyond noise; two: suggestive; less:
+  within noise. (With 3 seeds a side, two standard errors is roughly the 5%
+  level of a t-test; three leaves room for the many claims read at once.)"""
+  ratio = abs(diff) / se if se > 0 else (0.0 if diff == 0 else float("inf"))
+  return "beyond noise" if ratio >= 3 else "suggestive" if ratio >= 2 else "within noise"
+
+
+def comparisons_markdown(comparisons, records: list[dict]) -> str:
+  lines = ["**Comparisons** (difference of means ± its standard error; runs pooled "
+           "over seeds and over the labels a claim leaves open)", "",
+           "| claim | metric | a | b | a - b | reading |", "|---|---|---|---|---|---|"]
+  for c in comparisons:
+    a = _values(records, {**c.where, **c.a}, c.metric)
+    b = _values(records, {**c.where, **c.b}, c.metric)
+    d = difference(a, b)
+    scale, digits = (100.0, 2) if "accuracy" in c.metric else (1.0, 4)
+    if d is None:
+      diff, reading = "—", "too few runs (two a side needed)"
+    else:
+      ratio = abs(d[0]) / d[1] if d[1] > 0 else float("inf")
+      diff = f"{scale * d[0]:+.{digits}f} ± {scale * d[1]:.{digits}f} ({ratio:.1f} SE)"
+      reading = verdict(*d)
+    lines.append(f"| {c.claim} | {c.metric} | {fmt(c.metric, a)} | {fmt(c.metric, b)} | "
+                 f"{diff} | {reading} |")
   return "\n".join(lines)
 
 
@@ -280,6 +340,8 @@ def write(study, records: list[dict], folder: pathlib.Path, *, scale: str, seeds
            "## The paper", "", study.paper.strip(), "", "## Results", ""]
   for table in study.tables:
     parts += [table_markdown(table, records), ""]
+  if study.comparisons:
+    parts += [comparisons_markdown(study.comparisons, records), ""]
   for spec in study.plots:
     name = slug(spec.title) + ".png"
     note = plot(spec, records, folder / name)

@@ -131,6 +131,9 @@ class Study:
   # Rows that come from a result file in <out> rather than from stages
   # (runner.COMPARATORS): the raw-pixel linear classifier.
   comparators: tuple = ()
+  # The paper's claims as differences of means (report.Comparison), read in
+  # the report as beyond noise, suggestive or within noise.
+  comparisons: tuple = ()
 
   def __post_init__(self):
     names = [r.name for r in self.runs]
