@@ -13,6 +13,7 @@ from darl_jax.studies import report as R
 from darl_jax.studies import spec as S
 
 ACC = "last/val_accuracy"
+PROBE = "probe/best_block_accuracy"
 POSENCS = ("none", "sincos2d", "learned", "rope1d", "rope2d")
 
 
@@ -202,16 +203,21 @@ def training_length(scale: S.Scale, seeds: int) -> S.Study:
   runs = []
   key = scale.length_key
   mid = scale.lengths[len(scale.lengths) // 2 - 1] if len(scale.lengths) > 1 else scale.lengths[0]
+  # Fine-tuning and the per-block linear probes are separate runs of one
+  # pretraining, so that either is reported as soon as its stages exist.
   for seed in range(seeds):
     for length in scale.lengths:
       for objective in ("mse", "diffusion"):
         pre = pretrain(scale, objective, seed, {key: length})
-        stages = ((pre, probe(scale, pre, seed)) if seed == 0 else (pre,))
-        runs.append(S.Run({"objective": objective, "length": length, "seed": seed},
-                          stages + (finetune(scale, pre, seed),)))
+        labels = {"objective": objective, "length": length, "seed": seed}
+        runs.append(S.Run({**labels, "protocol": "fine-tune"},
+                          (pre, finetune(scale, pre, seed))))
+        runs.append(S.Run({**labels, "protocol": "linear probe"},
+                          (pre, probe(scale, pre, seed))))
     pre = pretrain(scale, "diffusion", seed, {key: mid, "loss.predict": "eps"})
-    runs.append(S.Run({"objective": "diffusion (eps)", "length": mid, "seed": seed},
-                      (pre, finetune(scale, pre, seed))))
+    runs.append(S.Run({"objective": "diffusion (eps)", "length": mid, "seed": seed,
+                       "protocol": "fine-tune"}, (pre, finetune(scale, pre, seed))))
+  tuned, probed = {"protocol": "fine-tune"}, {"protocol": "linear probe"}
   return S.Study(
       "training_length", "MSE vs diffusion over training length; x0 vs eps (paper figure \"training length\")",
       paper=f"""
@@ -222,23 +228,32 @@ Linear probes (appendix): accuracy grows with training length and peaks in
 the middle of the network. Here the length axis is `{key}`.""",
       runs=runs,
       tables=[R.Table("Fine-tuned accuracy by pretraining length", ("objective",), "length",
-                      (ACC,)),
-              R.Table("Best linear probe (any block), seed 0", ("objective",), "length",
-                      ("probe/best_block_accuracy",))],
+                      (ACC,), where=tuned),
+              R.Table("Best linear probe (any block)", ("objective",), "length",
+                      (PROBE,), where=probed)],
       plots=[R.Lines("Fine-tuned accuracy vs pretraining length", "length", "objective", ACC,
-                     where={}),
+                     where=tuned),
              R.DepthCurves("Linear probe accuracy by block (seed 0)", "probe/val_accuracy_block_",
-                           ("objective", "length"), where={"seed": 0})],
+                           ("objective", "length"), where={**probed, "seed": 0})],
       comparisons=tuple(
           [R.Comparison(f"diffusion against MSE, length={length:g}", {"objective": "diffusion"},
-                        {"objective": "mse"}, where={"length": length})
+                        {"objective": "mse"}, where={**tuned, "length": length})
            for length in scale.lengths]
           + [R.Comparison(f"{objective}: length={scale.lengths[-1]:g} against "
                           f"length={scale.lengths[0]:g}",
                           {"length": scale.lengths[-1]}, {"length": scale.lengths[0]},
-                          where={"objective": objective}) for objective in ("mse", "diffusion")]
+                          where={**tuned, "objective": objective})
+             for objective in ("mse", "diffusion")]
           + [R.Comparison(f"x0 against eps prediction, length={mid:g}", {"objective": "diffusion"},
-                          {"objective": "diffusion (eps)"}, where={"length": mid})]))
+                          {"objective": "diffusion (eps)"}, where={**tuned, "length": mid})]
+          + [R.Comparison(f"best linear probe: diffusion against MSE, length={length:g}",
+                          {"objective": "diffusion"}, {"objective": "mse"}, PROBE,
+                          where={**probed, "length": length}) for length in scale.lengths]
+          + [R.Comparison(f"best linear probe, {objective}: length={scale.lengths[-1]:g} "
+                          f"against length={scale.lengths[0]:g}",
+                          {"length": scale.lengths[-1]}, {"length": scale.lengths[0]}, PROBE,
+                          where={**probed, "objective": objective})
+             for objective in ("mse", "diffusion")]))
 
 
 def readout(scale: S.Scale, seeds: int) -> S.Study:
