@@ -189,8 +189,11 @@ def _schedule_comparisons(scale: S.Scale):
   upwards by their noise). Scales whose grid lacks 1 compare the corners."""
   lo, hi = min(scale.beta_grid), max(scale.beta_grid)
   ref = 1.0 if 1.0 in scale.beta_grid else lo
+
+  def diffusion(a, b):
+    return {"objective": "diffusion", "a": a, "b": b}
+
   for p in scale.patch_sizes:
-    diffusion = lambda a, b: {"objective": "diffusion", "a": a, "b": b}
     yield R.Comparison(f"patch {p}: Beta({ref:g}, {ref:g}) against MSE", diffusion(ref, ref),
                        {"objective": "mse"}, where={"patch": p})
     yield R.Comparison(f"patch {p}: low noise Beta({hi:g}, {lo:g}) against Beta({ref:g}, "
