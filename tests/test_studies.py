@@ -400,12 +400,14 @@ def test_comparisons_give_the_welch_difference_and_read_it():
   rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines()
           if line.startswith("| x")}
   se = np.sqrt(np.var([0.80, 0.82, 0.84], ddof=1) / 3 + np.var([0.70, 0.71], ddof=1) / 2)
-  assert rows["x against y"][4] == f"+11.50 ± {100 * se:.2f} ({0.115 / se:.1f} SE)"
+  assert rows["x against y"][4] == f"+11.50 ± {100 * se:.2f} ({int(1.15 / se) / 10:.1f} SE)"
   assert rows["x against y"][5].startswith("beyond noise")
   assert rows["x cell 1 against x or y cell 1"][3] == "75.8 ± 6.1 (4)"
   assert rows["x against z"][5].startswith("too few runs")
   assert R.verdict(2.5, 1.0) == "suggestive" and R.verdict(-1.0, 1.0) == "within noise"
   assert R.verdict(0.31, 0.1) == "beyond noise" and R.difference([1.0], [2.0, 3.0]) is None
+  # A printed 3.0 is read as 3.0: 2.999 standard errors print as 2.9.
+  assert R.standard_errors(0.2999, 0.1) == 2.9 and R.verdict(0.2999, 0.1) == "suggestive"
 
 
 @pytest.mark.parametrize("scale", sorted(S.SCALES))

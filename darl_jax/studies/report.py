@@ -10,6 +10,7 @@ cell reads ``mean ± std (n)``, the sample standard deviation over seeds.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import re
 
@@ -189,11 +190,19 @@ def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
   return float(np.mean(a) - np.mean(b)), se
 
 
+def standard_errors(diff: float, se: float) -> float:
+  """``|diff| / se``, rounded down to a tenth: the figure the report prints
+  and ``verdict`` reads, so that a printed 3.0 is never "suggestive"."""
+  if se <= 0:
+    return 0.0 if diff == 0 else float("inf")
+  return math.floor(10 * abs(diff) / se) / 10
+
+
 def verdict(diff: float, se: float) -> str:
   """At least three standard errors: beyond noise; two: suggestive; less:
   within noise. (With 3 seeds a side, two standard errors is roughly the 5%
   level of a t-test; three leaves room for the many claims read at once.)"""
-  ratio = abs(diff) / se if se > 0 else (0.0 if diff == 0 else float("inf"))
+  ratio = standard_errors(diff, se)
   return "beyond noise" if ratio >= 3 else "suggestive" if ratio >= 2 else "within noise"
 
 
@@ -209,8 +218,8 @@ def comparisons_markdown(comparisons, records: list[dict]) -> str:
     if d is None:
       diff, reading = "—", "too few runs (two a side needed)"
     else:
-      ratio = abs(d[0]) / d[1] if d[1] > 0 else float("inf")
-      diff = f"{scale * d[0]:+.{digits}f} ± {scale * d[1]:.{digits}f} ({ratio:.1f} SE)"
+      diff = (f"{scale * d[0]:+.{digits}f} ± {scale * d[1]:.{digits}f} "
+              f"({standard_errors(*d):.1f} SE)")
       reading = verdict(*d)
     lines.append(f"| {c.claim} | {c.metric} | {fmt(c.metric, a)} | {fmt(c.metric, b)} | "
                  f"{diff} | {reading} |")
