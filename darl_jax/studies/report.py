@@ -107,11 +107,16 @@ def _ordered(values) -> list:
   return out
 
 
+def _unit(metric: str) -> float:
+  """Accuracies are shown in %, other metrics as they are."""
+  return 100.0 if "accuracy" in metric else 1.0
+
+
 def fmt(metric: str, values: list[float]) -> str:
   """``84.5 ± 0.3 (2)`` for accuracies (in %), 4 decimals otherwise."""
   if not values:
     return "—"
-  scale, digits = (100.0, 1) if "accuracy" in metric else (1.0, 4)
+  scale, digits = _unit(metric), (1 if "accuracy" in metric else 4)
   mean = scale * float(np.mean(values))
   if len(values) == 1:
     return f"{mean:.{digits}f}"
@@ -176,11 +181,6 @@ def table_markdown(table: Table, records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def _values(records: list[dict], where: dict, metric: str) -> list[float]:
-  return [float(r["metrics"][metric]) for r in records
-          if _matches(r["labels"], where) and r["metrics"].get(metric) is not None]
-
-
 def difference(a: list[float], b: list[float]) -> tuple[float, float] | None:
   """``(mean(a) - mean(b), its standard error)`` by Welch; None when a side
   has fewer than two values (no spread to compare against)."""
@@ -211,10 +211,10 @@ def comparisons_markdown(comparisons, records: list[dict]) -> str:
            "over seeds and over the labels a claim leaves open)", "",
            "| claim | metric | a | b | a - b | reading |", "|---|---|---|---|---|---|"]
   for c in comparisons:
-    a = _values(records, {**c.where, **c.a}, c.metric)
-    b = _values(records, {**c.where, **c.b}, c.metric)
+    a, b = (grouped(records, (), c.metric, {**c.where, **side}).get((), [])
+            for side in (c.a, c.b))
     d = difference(a, b)
-    scale, digits = (100.0, 2) if "accuracy" in c.metric else (1.0, 4)
+    scale, digits = _unit(c.metric), (2 if "accuracy" in c.metric else 4)
     if d is None:
       diff, reading = "—", "too few runs (two a side needed)"
     else:
@@ -252,7 +252,7 @@ def plot(spec, records: list[dict], path: pathlib.Path) -> str:
       grid = np.full((len(ys), len(xs)), np.nan)
       for (x, y), v in g.items():
         grid[ys.index(y), xs.index(x)] = np.mean(v)
-      scale = 100.0 if "accuracy" in spec.metric else 1.0
+      scale = _unit(spec.metric)
       im = ax.imshow(grid * scale, origin="lower", cmap="viridis")
       for i in range(len(ys)):
         for j in range(len(xs)):
