@@ -18,10 +18,10 @@ directly in the (split) folder, the data is unlabeled: label 0, num_classes 0.
 
 Preprocessing: eval (and augment="none") takes the central square of side
 min(h, w) and resizes it to image_size; augment="spatial" takes the
-random-resized crop of `augment.sample_crop_boxes` (area ``data.crop_scale``, 0.2-1 by default, ratio
-3/4-4/3, from the counter-based rng) and flips with probability 1/2. Crops are
-sub-pixel boxes resized by PIL (bilinear, antialiased); images are converted
-to "L" or "RGB" to match ``channels``; a JPEG is decoded only at the
+random-resized crop of `augment.sample_crop_boxes` (area ``data.crop_scale``,
+0.2-1 by default, ratio 3/4-4/3, from the counter-based rng) and flips with
+probability 1/2. Crops are sub-pixel boxes resized by PIL (bilinear,
+antialiased); images are converted to "L" or "RGB" to match ``channels``; a JPEG is decoded only at the
 smallest DCT scale that still gives the crop full resolution
 (``reduced_decode``); multi-frame files give their first frame. Files are
 decoded on demand, in the pipeline's worker processes (pipeline.py);

@@ -258,7 +258,7 @@ class TfdsSource(DataSource):
     self.num_classes = int(getattr(label, "num_classes", 0) or 0)
     self._has_label = label is not None
     self._preprocess = JpegPreprocess(self.image_shape, self._src_channels, crop_fraction,
-                                      cfg_get(config, "crop_scale", None) or aug.CROP_SCALE)
+                                      cfg_get(config, "crop_scale", aug.CROP_SCALE))
     self._shuffle_buffer = int(cfg_get(config, "shuffle_buffer",
                                        DEFAULT_SHUFFLE_BUFFER))
     self._split = resolve_split(builder, split,
