@@ -489,7 +489,6 @@ def test_sigterm_during_a_save_waits_for_the_save(tmp_path):               # 2
     signal.signal(signal.SIGINT, old_int)
 
 
-
 # ----------------------- every shipped config passes the checks main.py applies
 
 
