@@ -23,6 +23,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # launched multi-host job must never fall back to N independent processes.
 DISTRIBUTED_ENV = {"DARL_DISTRIBUTED": "on"}
 
+# What a copy of the repository for the machines leaves out (tar --exclude and
+# shutil.ignore_patterns patterns): git, virtualenvs, run outputs, caches.
+SOURCE_EXCLUDES = (".git", ".venv", "venv", "workdirs", "__pycache__", "*.egg-info",
+                   ".pytest_cache")
+
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   """``[prog, own..., "--", passed...]`` -> (own flags with prog, passed flags)."""

@@ -98,8 +98,7 @@ def commands(args, passthrough: list[str], steps=None) -> list[list[str]]:
                   f"--version={runtime}")
     out.append(cmd + (["--spot"] if args.spot else []))
   if "copy" in steps:
-    out.append(["tar", "-czf", archive, "--exclude=.git", "--exclude=.venv",
-                "--exclude=venv", "--exclude=workdirs", "--exclude=__pycache__",
+    out.append(["tar", "-czf", archive, *(f"--exclude={e}" for e in common.SOURCE_EXCLUDES),
                 "-C", str(common.REPO), "."])
     out.append(_gcloud(args, "scp", archive, f"{args.tpu_name}:darl_jax.tar.gz",
                        "--worker=all"))

@@ -1,12 +1,17 @@
 """The launchers' dry runs (and their submit paths with stand-in gcloud/sbatch).
 
 No cloud access: dry runs print what would run; the submit paths are checked
-with fake ``gcloud`` / ``sbatch`` executables that record their arguments.
+with fake ``gcloud`` / ``sbatch`` executables that record their arguments; the
+XManager launcher's objects are built with the real xmanager (the ``launch``
+extra; skipped without it) and handed to its Vertex client, with only the
+calls that would reach Google Cloud faked.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -65,8 +70,10 @@ def test_xm_gpu_hosts_become_vertex_worker_pools(capsys):
             "--topology=a100-8", "--num_hosts=4", f"--workdir={GCS}", "--dry_run", "--",
             "--config.total_steps=10", "--config.kernels.attention=cudnn")
   assert "on Vertex AI" in out
-  assert lines_with(out, "job chief: 1 replica(s), xm.JobRequirements(a100=8)")
-  assert lines_with(out, "job workers: 3 replica(s), xm.JobRequirements(a100=8)")
+  assert lines_with(out, "job chief: 1 replica(s), xm.JobRequirements(a100=8), "
+                    "machine a2-highgpu-8g")
+  assert lines_with(out, "job workers: 3 replica(s), xm.JobRequirements(a100=8, replicas=3), "
+                    "machine a2-highgpu-8g")
   assert lines_with(out, "RUN pip install", "'jax[cuda12]'", "-c constraints.txt")
   [every] = lines_with(out, "every replica runs:")
   assert every.endswith(
@@ -85,7 +92,10 @@ def test_xm_single_host_tpu_uses_vertex_and_no_coordinator(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--platform=gpu", "--topology=a100-8", "--workdir=/tmp/run"], "must be on GCS"),
-    (["--platform=gpu", "--topology=h100-8", f"--workdir={GCS}"], "a100, l4"),
+    (["--platform=gpu", "--topology=h100-4", f"--workdir={GCS}"], "one of: h100-8, h200-8"),
+    (["--platform=gpu", "--topology=a100-3", f"--workdir={GCS}"], "a100-4, a100-8, a100-16"),
+    (["--platform=gpu", "--topology=l4-4", "--num_hosts=0", f"--workdir={GCS}"],
+     "--num_hosts must be positive"),
     (["--platform=tpu", "--topology=v9x-8", f"--workdir={GCS}"], "unknown TPU topology"),
     (["--platform=tpu", "--topology=v5p-16", f"--workdir={GCS}", "--zone=z"],
      "--tpu_name and --zone are required"),
@@ -106,7 +116,7 @@ def test_launchers_check_the_config_and_the_passthrough(capsys):
 @pytest.mark.skipif(importlib.util.find_spec("xmanager") is not None,
                     reason="xmanager installed: this would really launch")
 def test_xm_launch_without_xmanager_says_how_to_install_it(capsys):
-  assert "pip install -e '.[launch]'" in fail(
+  assert "pip install -c constraints.txt -e '.[launch]'" in fail(
       xm_launch, capsys, "--config=experiments/vit_l16_diff.py", "--platform=gpu",
       "--topology=a100-8", f"--workdir={GCS}")
 
@@ -117,7 +127,197 @@ def test_xm_dry_run_as_a_script_needs_no_xmanager():
        "--platform=gpu", "--topology=l4-4", f"--workdir={GCS}", "--dry_run"],
       cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
-  assert "xm.JobRequirements(l4=4)" in proc.stdout
+  assert "xm.JobRequirements(l4_24th=4), machine g2-standard-48" in proc.stdout
+
+
+# ------------------------------------------- XManager: the real objects, faked cloud
+# Built with the xmanager that constraints.txt pins (the `launch` extra, in CI's
+# install): pip install -c constraints.txt -e ".[tfds,test,launch]"
+
+# What Vertex AI custom training offers, from its machine-type documentation:
+# (machine type, accelerator, accelerators per machine). Written out here, not
+# taken from the launcher, so that a wrong row of its table fails.
+VERTEX_MACHINES = {
+    ("a3-highgpu-8g", "NVIDIA_H100_80GB", 8),
+    ("a3-ultragpu-8g", "NVIDIA_H200_141GB", 8),
+    *((f"a2-ultragpu-{n}g", "NVIDIA_A100_80GB", n) for n in (1, 2, 4, 8)),
+    *((f"a2-highgpu-{n}g", "NVIDIA_TESLA_A100", n) for n in (1, 2, 4, 8)),
+    ("a2-megagpu-16g", "NVIDIA_TESLA_A100", 16),
+    *((f"g2-standard-{c}", "NVIDIA_L4", 1) for c in (4, 8, 12, 16, 32)),
+    ("g2-standard-24", "NVIDIA_L4", 2),
+    ("g2-standard-48", "NVIDIA_L4", 4),
+    ("g2-standard-96", "NVIDIA_L4", 8),
+    ("cloud-tpu", "TPU_V2", 8),
+    ("cloud-tpu", "TPU_V3", 8),
+}
+CASES = ([("gpu", t, hosts) for t in xm_launch.GPU_TOPOLOGIES for hosts in (1, 3)]
+         + [("tpu", t, 1) for t in xm_launch.VERTEX_TPUS])
+DRY_JOB = re.compile(r"job (\w+): (\d+) replica\(s\), xm\.JobRequirements\((.*)\), machine (\S+)")
+
+
+@pytest.fixture
+def xmanager():
+  """xmanager's modules, or a skip naming the install."""
+  pytest.importorskip("xmanager", reason='needs the launch extra: pip install -c '
+                      'constraints.txt -e ".[tfds,test,launch]"')
+  from xmanager import xm, xm_local  # pylint: disable=g-import-not-at-top
+  from xmanager.cloud import build_image, vertex  # pylint: disable=g-import-not-at-top
+  from xmanager.xm_local import executables  # pylint: disable=g-import-not-at-top
+  return xm, xm_local, vertex, build_image, executables
+
+
+@pytest.fixture
+def vertex_submissions(xmanager, monkeypatch):
+  """XManager's Vertex client with the Google Cloud calls faked: what it would
+  submit (aiplatform.CustomJob's arguments) is appended to the returned list."""
+  _, _, vertex, _, _ = xmanager
+  submitted = []
+
+  class CustomJob:   # google.cloud.aiplatform.CustomJob, recording instead of calling out
+    def __init__(self, **kwargs):
+      submitted.append(kwargs)
+
+    def submit(self, **kwargs):
+      submitted[-1]["submit"] = kwargs
+
+    def _dashboard_uri(self):
+      return "https://console.cloud.google.com/fake"
+
+    resource_name = "projects/p/locations/us-central1/customJobs/1"
+
+  monkeypatch.setattr(vertex.aiplatform, "init", lambda **kwargs: None)
+  monkeypatch.setattr(vertex.aiplatform, "CustomJob", CustomJob)
+  monkeypatch.setattr(vertex.auth, "get_bucket", lambda: "bucket")
+  monkeypatch.setattr(vertex.auth, "get_service_account", lambda: "xm@p.iam.gserviceaccount.com")
+  monkeypatch.setattr(vertex, "_default_client", vertex.Client(project="p"))
+  return submitted
+
+
+def launcher_argv(platform, topology, hosts):
+  return ["launch/xm_launch.py", "--config=experiments/vit_l16_diff.py",
+          f"--platform={platform}", f"--topology={topology}", f"--num_hosts={hosts}",
+          f"--workdir={GCS}", "--dry_run", "--", "--config.total_steps=10"]
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize("platform,topology,hosts", CASES)
+def test_xm_objects_build_and_vertex_gets_the_dry_runs_jobs(xmanager, vertex_submissions,
+                                                           capsys, platform, topology, hosts):
+  xm, xm_local, vertex, build_image, executables = xmanager
+  argv = launcher_argv(platform, topology, hosts)
+  xm_launch.main(argv)
+  dry = [DRY_JOB.fullmatch(l).groups() for l in capsys.readouterr().out.splitlines()
+         if DRY_JOB.fullmatch(l)]
+  plan = xm_launch.vertex_plan(*xm_launch.parse(argv))
+  assert [d[0] for d in dry] == [j.name for j in plan.jobs] == (
+      ["chief", "workers"] if hosts > 1 else ["chief"])
+
+  # The container: xmanager's Dockerfile of it has the plan's lines after FROM.
+  packageable = xm_launch.packageable(plan, source="/tmp/staged/darl_jax")
+  spec = packageable.executable_spec
+  assert isinstance(spec, xm.PythonContainer) and spec.path == "/tmp/staged/darl_jax"
+  assert isinstance(packageable.executor_spec, xm_local.Vertex.Spec)
+  dockerfile = pathlib.Path(build_image._create_dockerfile(spec, xm.SequentialArgs(), {}))
+  text = dockerfile.read_text()
+  dockerfile.unlink()
+  assert f"FROM {xm_launch.BASE_IMAGE}\n" in text
+  assert "\n".join(plan.docker_instructions) in text
+  assert ("'jax[cuda12]'" if platform == "gpu" else "'jax[tpu]'") in text
+  assert build_image._get_entrypoint_commands(spec) == 'python -m darl_jax.main "$@"'
+
+  # The jobs, as experiment.add gets them, on the image experiment.package
+  # would return once the container is built and pushed.
+  image = executables.GoogleContainerRegistryImage(
+      name="darl_jax", image_path="gcr.io/p/darl_jax:1", args=packageable.args,
+      env_vars=packageable.env_vars)
+  group = xm_launch.job_group(plan, image)
+  jobs = list(group.jobs.values()) if hosts > 1 else [group]
+  assert isinstance(group, xm.JobGroup if hosts > 1 else xm.Job)
+  for job, planned, (_, replicas, kwargs, machine) in zip(jobs, plan.jobs, dry, strict=True):
+    assert isinstance(job.executor, xm_local.Vertex)
+    requirements = job.executor.requirements
+    assert requirements.replicas == planned.replicas == int(replicas)
+    assert kwargs == ", ".join(f"{k}={v}" for k, v in
+                               xm_launch.requirements_kwargs(planned).items())
+    assert machine == planned.host.machine_type
+    assert requirements.accelerator.name.lower() == planned.host.resource
+    assert requirements.task_requirements[requirements.accelerator] == planned.host.count
+
+  # What XManager's Vertex client submits: one worker pool per job.
+  with xm_launch.vertex_machine_types():
+    vertex.launch("darl", "1", group)
+  assert vertex.get_machine_spec.__module__ == vertex.__name__   # restored
+  [custom_job] = vertex_submissions
+  pools = custom_job["worker_pool_specs"]
+  assert len(pools) == len(plan.jobs)
+  for pool, planned, (_, replicas, _, machine) in zip(pools, plan.jobs, dry, strict=True):
+    ms = pool.machine_spec
+    assert (ms.machine_type, ms.accelerator_type.name, ms.accelerator_count) in VERTEX_MACHINES
+    assert ms.machine_type == machine and pool.replica_count == int(replicas)
+    assert pool.container_spec.image_uri == "gcr.io/p/darl_jax:1"
+    assert list(pool.container_spec.args) == planned.args
+    env = {e.name: e.value for e in pool.container_spec.env}
+    assert env == ({"DARL_DISTRIBUTED": "on"} if hosts > 1 else {})
+  # Vertex AI cannot run TPUs with a custom service account (xmanager drops it).
+  assert custom_job["submit"]["service_account"] == (
+      None if platform == "tpu" else "xm@p.iam.gserviceaccount.com")
+
+
+def test_xmanager_alone_gives_machines_vertex_does_not_offer(xmanager):
+  """Why the launcher sets machine types: xmanager 0.8.5's Vertex client asks
+  for n1-standard-4 for 8 H100, H200 or A100 80 GB. When this fails, xmanager
+  picks them itself and xm_launch.vertex_machine_types may go."""
+  xm, xm_local, vertex, _, _ = xmanager
+  for resource in ("h100", "h200", "a100_80gib"):
+    job = xm.Job(executable=None, executor=xm_local.Vertex(
+        requirements=xm.JobRequirements(**{resource: 8})))
+    assert vertex.get_machine_spec(job)["machine_type"] == "n1-standard-4"
+  with pytest.raises(KeyError, match="Unknown ResourceType 'l4'"):
+    xm.JobRequirements(l4=4)
+
+
+def test_xm_launch_tables_name_xmanager_resources(xmanager):
+  xm, _, _, _, _ = xmanager
+  hosts = [*xm_launch.GPU_TOPOLOGIES.values(), *xm_launch.VERTEX_TPUS.values()]
+  for host in hosts:
+    assert xm.ResourceType[host.resource.upper()] in xm.AcceleratorType
+  # vertex_machine_spec finds a job's machine by (resource, count): one row each.
+  assert len({(h.resource, h.count) for h in hosts}) == len(hosts)
+
+
+def test_xmanager_pin_is_the_one_installed_and_built_against():
+  pins = dict(l.split("==") for l in (ROOT / "constraints.txt").read_text().splitlines()
+              if "==" in l)
+  setup = (ROOT / "setup.py").read_text()
+  assert f'"launch": ["xmanager=={pins["xmanager"]}"]' in setup
+  if importlib.util.find_spec("xmanager") is not None:
+    assert importlib.metadata.version("xmanager") == pins["xmanager"]
+
+
+def test_jax_pin_offers_the_images_cuda_builds():
+  """The image installs jax[cuda12] (or --cuda=13) under constraints.txt's jax."""
+  pins = dict(l.split("==") for l in (ROOT / "constraints.txt").read_text().splitlines()
+              if "==" in l)
+  assert importlib.metadata.version("jax") == pins["jax"]
+  extras = importlib.metadata.metadata("jax").get_all("Provides-Extra")
+  for build in xm_launch.JAX_GPU_BUILDS.values():
+    assert build.removeprefix("jax[").removesuffix("]") in extras
+
+
+def test_xm_cuda_13_image(capsys):
+  out = run(xm_launch, capsys, "--config=experiments/vit_l16_diff.py", "--platform=gpu",
+            "--topology=h200-8", "--cuda=13", f"--workdir={GCS}", "--dry_run")
+  assert lines_with(out, "RUN pip install", "'jax[cuda13]'")
+
+
+def test_xm_build_context_leaves_out_virtualenvs_and_runs(tmp_path):
+  source = pathlib.Path(xm_launch.stage_source(str(tmp_path)))
+  assert source.name == "darl_jax"
+  for kept in ("setup.py", "constraints.txt", "darl_jax/main.py", "experiments/vit_l16_diff.py"):
+    assert (source / kept).is_file(), kept
+  for left_out in (".git", ".venv", "workdirs"):
+    assert not (source / left_out).exists(), left_out
+  assert not list(source.rglob("__pycache__"))
 
 
 # -------------------------------------------------------------------- TPU VM
