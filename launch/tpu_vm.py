@@ -89,7 +89,7 @@ def commands(args, passthrough: list[str], steps=None) -> list[list[str]]:
   if not args.tpu_name or not args.zone:
     raise SystemExit("error: --tpu_name and --zone are required")
   archive = f"/tmp/darl_jax_{args.tpu_name}.tar.gz"
-  home = f"~/{args.remote_dir}"
+  home = "~/" + shlex.quote(args.remote_dir)   # the remote shell expands ~/ before quotes
   out = []
   if "create" in steps:
     generation, _ = parse_topology(args.topology)

@@ -411,3 +411,95 @@ def test_slurm_submit_path_with_a_stand_in_sbatch(tmp_path):
   submitted = (tmp_path / "submitted").read_text().strip()
   assert submitted == f"{tmp_path}/logs/l16.sbatch"
   assert "srun --kill-on-bad-exit=1" in pathlib.Path(submitted).read_text()
+
+
+# ------------------------------------------ flag names, quoting, the docs' commands
+# Long options as sbatch(1) and `gcloud compute tpus tpu-vm create|ssh|scp`
+# document them; neither tool exists here, so the generated lines are
+# shell-parsed and checked against these names.
+SBATCH_OPTIONS = {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node",
+                  "--cpus-per-task", "--time", "--output", "--partition", "--account"}
+GCLOUD_TPU_VM_FLAGS = {
+    "create": {"--accelerator-type", "--version", "--zone", "--project", "--spot"},
+    "ssh": {"--worker", "--command", "--zone", "--project"},
+    "scp": {"--worker", "--zone", "--project"},
+}
+SPACED = "/shared/my runs/l16 a"   # a path with spaces
+
+
+def _flag_names(args):
+  return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def test_slurm_sbatch_lines_are_documented_options_and_quote_spaces(capsys, tmp_path):
+  out = run(slurm, capsys, "--config=experiments/vit_l16_diff.py", f"--workdir={SPACED}",
+            f"--log_dir={tmp_path}/my logs", "--partition=gpu", "--account=acct",
+            "--job_name=l16", "--dry_run", "--", "--config.total_steps=10")
+  text = _script(out)
+  sbatch = [shlex.split(l.removeprefix("#SBATCH ")) for l in text.splitlines()
+            if l.startswith("#SBATCH")]
+  assert all(len(words) == 1 for words in sbatch), sbatch   # one option a line
+  options = dict(w[0].split("=", 1) for w in sbatch)
+  assert set(options) == SBATCH_OPTIONS
+  assert options["--output"] == f"{tmp_path}/my logs/%x-%j.out"
+  [submit] = lines_with(out, "+ sbatch")
+  assert shlex.split(submit[2:]) == ["sbatch", f"{tmp_path}/my logs/l16.sbatch"]
+
+  # The script in a real bash, with a stand-in srun that records its arguments.
+  env = stand_in(tmp_path, "srun", f'printf "%s\\n" "$@" > "{tmp_path}/srun_args"')
+  script_file = tmp_path / "job.sbatch"
+  script_file.write_text(text)
+  proc = subprocess.run(["bash", str(script_file)], env=env, capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  assert (tmp_path / "srun_args").read_text().splitlines() == [
+      "--kill-on-bad-exit=1", "python3", "-m", "darl_jax.main",
+      "--config=experiments/vit_l16_diff.py", f"--workdir={SPACED}", "--config.total_steps=10"]
+
+
+def test_tpu_vm_gcloud_lines_use_documented_flags_and_quote_spaces(capsys):
+  out = run(tpu_vm, capsys, "--tpu_name=t1", "--zone=us-east5-a", "--project=p",
+            "--topology=v5p-16", "--create", "--spot", "--remote_dir=my code",
+            "--config=experiments/vit_l16_diff.py", f"--workdir=gs://bucket/my runs",
+            "--dry_run", "--", "--config.total_steps=10")
+  cmds = [shlex.split(l[2:]) for l in out.splitlines() if l.startswith("+ ")]
+  gcloud = [c for c in cmds if c[0] == "gcloud"]
+  assert [c[4] for c in gcloud] == ["create", "scp", "ssh", "ssh"]
+  for cmd in gcloud:
+    assert cmd[:4] == ["gcloud", "compute", "tpus", "tpu-vm"]
+    assert _flag_names(cmd[5:]) <= GCLOUD_TPU_VM_FLAGS[cmd[4]], cmd
+  create, scp, setup, train = gcloud
+  assert create[5] == "t1" and "--accelerator-type=v5p-16" in create and "--spot" in create
+  assert scp[5:7] == ["/tmp/darl_jax_t1.tar.gz", "t1:darl_jax.tar.gz"]
+  remote = shlex.split(setup[7].removeprefix("--command="))
+  assert remote[:3] == ["mkdir", "-p", "~/my code"]   # the remote bash expands ~/'my code'
+  remote = shlex.split(train[7].removeprefix("--command="))
+  assert remote[:3] == ["cd", "~/my code", "&&"]
+  assert remote[3:] == ["DARL_DISTRIBUTED=on", "python3", "-m", "darl_jax.main",
+                        "--config=experiments/vit_l16_diff.py", "--workdir=gs://bucket/my runs",
+                        "--config.total_steps=10"]
+
+
+def docs_commands() -> list[list[str]]:
+  """The launch commands of docs/LAUNCH.md, placeholders filled in."""
+  text = (ROOT / "docs" / "LAUNCH.md").read_text()
+  blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+  lines = [l for b in blocks for l in b.splitlines() if l.startswith("python launch/")]
+  fill = {"<bucket>": "bucket", "<partition>": "gpu"}
+  return [shlex.split(re.sub("|".join(fill), lambda m: fill[m.group(0)], l)) for l in lines]
+
+
+def test_docs_have_one_command_per_platform():
+  assert [(c[1], c[3] if "xm_launch" in c[1] else "") for c in docs_commands()] == [
+      ("launch/xm_launch.py", "--platform=gpu"), ("launch/xm_launch.py", "--platform=tpu"),
+      ("launch/tpu_vm.py", ""), ("launch/slurm.py", "")]
+
+
+@pytest.mark.parametrize("cmd", docs_commands(), ids=lambda c: f"{c[1]}:{c[3]}")
+def test_docs_launch_commands_dry_run(capsys, cmd):
+  module = {"launch/xm_launch.py": xm_launch, "launch/tpu_vm.py": tpu_vm,
+            "launch/slurm.py": slurm}[cmd[1]]
+  i = cmd.index("--") if "--" in cmd else len(cmd)
+  module.main([*cmd[1:i], "--dry_run", *cmd[i:]])
+  out = capsys.readouterr().out
+  assert "darl_jax" in out and ("dry run" in out)
