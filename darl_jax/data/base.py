@@ -14,6 +14,7 @@ import math
 from typing import Any, Iterator
 
 import numpy as np
+from absl import logging
 
 Batch = dict[str, np.ndarray]
 
@@ -29,6 +30,20 @@ def cfg_get(config: Any, key: str, default: Any = None) -> Any:
   else:
     value = getattr(config, key, default)
   return default if value is None else value
+
+
+_WARNED: set = set()
+
+
+def warn_once(key, message: str, *args) -> None:
+  """``logging.warning(message, *args)`` the first time ``key`` is seen in
+  this process. A source is built once per split (train, then validation,
+  probes, few-shot support and query...), and each build meets the same
+  condition: the warning belongs to the data, not to the build."""
+  if key in _WARNED:
+    return
+  _WARNED.add(key)
+  logging.warning(message, *args)
 
 
 def local_batch_size(batch_size: int, process_count: int) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 from absl import logging
 
 from darl_jax.data import augment as aug
-from darl_jax.data.base import DataSource, cfg_get
+from darl_jax.data.base import DataSource, cfg_get, warn_once
 from darl_jax.data.indexed import IndexedSource
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".tif", ".tiff", ".webp", ".bmp")
@@ -61,15 +61,10 @@ def list_images(root: str) -> list[str]:
         continue
       rel = os.path.relpath(os.path.join(dirpath, name), root)
       (found if name.lower().endswith(IMAGE_EXTENSIONS) else ignored).append(rel)
-  if ignored and root not in _REPORTED_IGNORED:
-    _REPORTED_IGNORED.add(root)
-    logging.warning("%s: ignoring %d file(s) that are not images (%s), e.g. %s",
-                    root, len(ignored), "/".join(IMAGE_EXTENSIONS),
-                    ", ".join(sorted(ignored)[:3]))
+  if ignored:
+    warn_once(("ignored", root), "%s: ignoring %d file(s) that are not images (%s), e.g. %s",
+              root, len(ignored), "/".join(IMAGE_EXTENSIONS), ", ".join(sorted(ignored)[:3]))
   return sorted(found)
-
-
-_REPORTED_IGNORED: set[str] = set()
 
 
 def _split_folders(root: str) -> dict[str, str]:
@@ -120,9 +115,11 @@ def resolve_files(root: str, split: str,
   if val_split_size > len(files) // 2:
     # A count meant for another dataset (the ImageNet configs' 5000 for
     # TFDS) would leave little or nothing to train on here.
-    logging.warning("data.val_split_size=%d is more than half of the %d images under %s; "
-                    "holding out %d (%.0f%%) for validation instead", val_split_size,
-                    len(files), root, default, 100 * DEFAULT_VAL_FRACTION)
+    # Both splits (train, validation) meet this: one warning for the folder.
+    warn_once(("val_split_size", root, val_split_size, len(files)),
+              "data.val_split_size=%d is more than half of the %d images under %s; "
+              "holding out %d (%.0f%%) for validation instead", val_split_size,
+              len(files), root, default, 100 * DEFAULT_VAL_FRACTION)
     val_split_size = default
   by_hash = sorted(files, key=_hash_key)
   chosen = by_hash[:val_split_size] if split == "validation" else (
