@@ -50,6 +50,19 @@ def base_config() -> ml_collections.ConfigDict:
   # most of its compilation; "" turns it off. JAX_COMPILATION_CACHE_DIR in the
   # environment wins over this key.
   c.compilation_cache_dir = "~/.cache/darl_jax/jax"
+  # Gradient accumulation (train/accumulate.py): global examples per
+  # microbatch. 0 = the whole batch at once; -1 = the largest microbatch
+  # whose compiled step fits the device (train/aot.py). The recipe (batch,
+  # learning rate, schedule, EMA) is batch_size's either way.
+  c.microbatch_size = 0
+  # The memory the train step may use per device, in GiB, checked against
+  # XLA's figure of the compiled step before the first step. 0 = the
+  # device's own (a GPU's allocator pool, a TPU's HBM; unchecked on CPU).
+  c.device_memory_gib = 0.0
+  # jax.profiler trace of the steps [start_step, start_step + num_steps)
+  # into <workdir>/profile (TensorBoard's profile plugin, Perfetto);
+  # start_step 0 = off.
+  c.profile = ml_collections.ConfigDict({"start_step": 0, "num_steps": 3})
   c.sharding = "replicated"      # darl_jax.sharding.PARTITION_RULES
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
@@ -64,7 +77,17 @@ def base_config() -> ml_collections.ConfigDict:
       "crop_scale": (0.2, 1.0),
       # Processes building training batches (data/pipeline.py): -1 = this
       # process's share of the host's cores, 0 = in the training process.
-      "num_workers": -1})
+      "num_workers": -1,
+      # Sharded sources (webdataset, parquet): the validation split's files
+      # (None: a hash split of path's), the JSON label field, where shard
+      # indexes are cached when not beside the shards, Parquet columns, and
+      # the class count (0: max label + 1).
+      "eval_path": placeholder(str), "label_key": "label",
+      "index_cache_dir": placeholder(str), "image_column": "image",
+      "label_column": "label", "num_classes": 0,
+      # name="mixture": "spec=weight,spec=weight" (or (spec, weight) pairs),
+      # spec a source name or a path (data/mixture.py).
+      "mixture": None})
 
   c.model = ml_collections.ConfigDict({
       "variant": "Ti/4", "width": 0, "depth": 0, "num_heads": 0, "mlp_dim": 0,
@@ -320,6 +343,10 @@ _RULES = [
     ("keep_checkpoints", _int(1), "an integer >= 1 (checkpoints kept)", 3),
     ("stop_after_steps", _int(0), "an integer >= 0 (0: run to the end)", 0),
     ("seed", _int(0), "an integer >= 0", 0),
+    ("microbatch_size", _int(-1), "an integer >= -1 (0: the whole batch, -1: automatic)", 0),
+    ("device_memory_gib", lambda v: v >= 0, "a number >= 0 (0: the device's own)", 0.0),
+    ("profile.start_step", _int(0), "an integer >= 0 (0: no profile)", 0),
+    ("profile.num_steps", _int(1), "a positive integer", 3),
     ("label_smoothing", lambda v: 0 <= v < 1, "in [0, 1)", 0.1),
     ("ema_decay", lambda v: 0 <= v < 1, "in [0, 1)", 0.0),
     ("optim.base_lr", lambda v: v > 0, "a positive number", 1e-3),
@@ -348,6 +375,7 @@ _RULES = [
     ("data.channels", _int(1), "a positive integer", 3),
     ("data.val_split_size", _int(0), "an integer >= 0", 5000),
     ("data.num_workers", _int(-1), "an integer >= -1 (-1: automatic)", -1),
+    ("data.num_classes", _int(0), "an integer >= 0 (0: from the labels)", 0),
     # 0 is the paper's linear patch decoder whatever decoder.kind says (the
     # patch_decoder study's depth-0 column); the models treat it so.
     ("decoder.depth", _int(0), "an integer >= 0 (0: one linear layer)", 1),

@@ -80,7 +80,17 @@ def mse_loss(pred: jax.Array, target: jax.Array, weights=None) -> tuple[jax.Arra
   ``weights [B, N]`` (prefix_weights) leave patches out of both."""
   err = jnp.mean(jnp.square(pred - target), -1)              # [B, N]
   loss = _weighted_mean(err, weights)
-  return loss, {"loss": loss, "per_example_loss": _weighted_mean(err, weights, 1)}
+  return loss, {"loss": loss, "per_example_loss": _weighted_mean(err, weights, 1),
+                "counts": {"loss": _count(err, weights)}}
+
+
+def _count(err: jax.Array, weights=None) -> jax.Array:
+  """The number of terms behind ``_weighted_mean(err, weights)``: what a mean
+  over several microbatches weighs each microbatch's mean by."""
+  if weights is None:
+    return jnp.asarray(err.size, jnp.float32)
+  w = weights.reshape(weights.shape + (1,) * (err.ndim - weights.ndim))
+  return jnp.sum(jnp.broadcast_to(w, err.shape).astype(jnp.float32))
 
 
 def draw_prefix(key: jax.Array, batch: int, n: int) -> jax.Array:
@@ -138,7 +148,9 @@ def diffusion_loss(decode: Callable, z: jax.Array, target: jax.Array, gamma: jax
 
   Returns:
     ``(loss, metrics)``: ``loss``, ``per_example_loss [B]`` (mean over the
-    example's patches and draws) and ``loss_gamma_bin_XX``.
+    example's patches and draws), ``loss_gamma_bin_XX`` and ``counts``, the
+    number of (patch, draw) terms behind ``loss`` and each bin's mean (how
+    gradient accumulation weighs a microbatch's means).
   """
   bsz, n, k = gamma.shape
   p = target.shape[-1]
@@ -152,20 +164,25 @@ def diffusion_loss(decode: Callable, z: jax.Array, target: jax.Array, gamma: jax
   err = jnp.mean(jnp.square(pred.reshape(bsz, n, k, p) - goal), -1)      # [B, N, k]
   loss = _weighted_mean(err, weights)
   metrics = {"loss": loss, "per_example_loss": _weighted_mean(err, weights, (1, 2))}
-  metrics.update(gamma_bin_metrics(err, gamma, gamma_bins, weights))
+  bins, bin_counts = gamma_bin_metrics(err, gamma, gamma_bins, weights)
+  metrics.update(bins)
+  metrics["counts"] = {"loss": _count(err, weights), **bin_counts}
   return loss, metrics
 
 
-def gamma_bin_metrics(err: jax.Array, gamma: jax.Array, num_bins: int, weights=None) -> dict:
+def gamma_bin_metrics(err: jax.Array, gamma: jax.Array, num_bins: int,
+                      weights=None) -> tuple[dict, dict]:
   """``loss_gamma_bin_XX``: the mean loss of the draws whose gamma falls in
   equal-width bin XX of [0, 1] (diffusion.bin_edges); NaN for an empty bin,
-  which the logger averages over steps with nanmean."""
+  which the logger averages over steps with nanmean. Returns ``(means,
+  counts)``, both keyed ``loss_gamma_bin_XX``."""
   mask = None if weights is None else jnp.broadcast_to(weights[..., None], err.shape
                                                        ).reshape(-1) > 0
   sums, counts = diffusion.gamma_bin_stats(err.reshape(-1), gamma.reshape(-1), num_bins, mask)
-  return {f"loss_gamma_bin_{i:02d}": jnp.where(counts[i] > 0,
-                                                sums[i] / jnp.maximum(counts[i], 1), jnp.nan)
-          for i in range(num_bins)}
+  names = [f"loss_gamma_bin_{i:02d}" for i in range(num_bins)]
+  means = {name: jnp.where(counts[i] > 0, sums[i] / jnp.maximum(counts[i], 1), jnp.nan)
+           for i, name in enumerate(names)}
+  return means, {name: counts[i] for i, name in enumerate(names)}
 
 
 # ----------------------------------------------------- with the DARL module
@@ -178,25 +195,35 @@ def noise_shape(model, images) -> tuple[int, int, int]:
   return bsz, (h // p) * (w // p), p * p * c
 
 
-def loss(model, images, key, *, train: bool, eval_gammas=None, perm=None):
-  """The pretraining loss of a DARL module (``model.apply(..., method=loss)``).
-
-  Draws the diffusion noise from ``key``: Beta(noise_a, noise_b) levels,
+def draws(model, images, key, *, eval_gammas=None) -> dict:
+  """Every random input of the loss for ``images [B, H, W, C]``, drawn from
+  ``key``: the diffusion noise (Beta(noise_a, noise_b) levels,
   ``noise_samples`` per patch, or every level of the fixed grid
-  ``eval_gammas`` for validation; then :func:`loss_given_noise`. MSE draws
-  nothing. Returns ``(loss, metrics)``.
-  """
-  gamma = eps = prefix = None
+  ``eval_gammas`` for validation; MSE draws none) and, for prefix-causal
+  pretraining, the prefix lengths. ``{gamma, eps, prefix}`` (those that
+  apply), each with the batch's leading axis, so a batch's draws can be made
+  once and sliced with it (gradient accumulation). ``model``: a DARL module
+  (bound or not; only its settings are read)."""
+  out = {}
   shape = noise_shape(model, images)
   if model.loss == "diffusion":
     if eval_gammas is None:
-      gamma, eps = draw_noise(key, shape, model.noise_samples, model.noise_a, model.noise_b)
+      out["gamma"], out["eps"] = draw_noise(key, shape, model.noise_samples, model.noise_a,
+                                            model.noise_b)
     else:
-      gamma, eps = eval_noise(key, shape, eval_gammas)
+      out["gamma"], out["eps"] = eval_noise(key, shape, eval_gammas)
   if model.prefix != "off":   # its own stream: the noise draws stay as without a prefix
-    prefix = draw_prefix(jax.random.fold_in(key, 2), shape[0], shape[1])
-  return loss_given_noise(model, images, train=train, gamma=gamma, eps=eps, perm=perm,
-                          prefix=prefix)
+    out["prefix"] = draw_prefix(jax.random.fold_in(key, 2), shape[0], shape[1])
+  return out
+
+
+def loss(model, images, key, *, train: bool, eval_gammas=None, perm=None):
+  """The pretraining loss of a DARL module (``model.apply(..., method=loss)``):
+  :func:`draws` from ``key``, then :func:`loss_given_noise`. Returns
+  ``(loss, metrics)``.
+  """
+  return loss_given_noise(model, images, train=train, perm=perm,
+                          **draws(model, images, key, eval_gammas=eval_gammas))
 
 
 def loss_given_noise(model, images, *, train: bool, gamma=None, eps=None, perm=None,

@@ -71,8 +71,9 @@ def stage(kind: str, config: str, *override_dicts: dict, parent: Stage | None = 
 # add it to KEYS_ADDED. A code change that does change results (a bug fix)
 # needs its stage files deleted by hand.
 HOW_KEYS = ("compilation_cache_dir", "data.num_workers", "tensorboard", "kernels",
-            "model.attention_impl")
+            "model.attention_impl", "device_memory_gib", "profile")
 KEYS_ADDED = {
+    "microbatch_size": 0,
     "data.crop_scale": [0.2, 1.0],
     "model.prefix": "off",
     "ema_decay": 0.0,

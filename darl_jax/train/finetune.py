@@ -156,8 +156,12 @@ class FinetuneTrainer(loop.Trainer):
   def targets(self, labels, num_classes):
     return mixup_lib.smooth_labels(labels, num_classes, self.config.get("label_smoothing", 0.0))
 
-  def loss_fn(self, model, params, model_state, batch, rng, train):
-    mix_rng, drop_rng = jax.random.split(rng)
+  def prepare_batch(self, model, batch, rng, train):
+    """Soft targets (label smoothing) and, in training, mixup / cutmix, made
+    on the whole batch: mixup pairs examples across it, so it runs once per
+    step before any split into microbatches (train/accumulate.py). Adds
+    ``batch["targets"] [B, K]``; ``image`` is the mixed batch."""
+    mix_rng, _ = jax.random.split(rng)
     images = batch["image"]
     targets = self.targets(batch["label"], model.num_classes)
     mix = self.config.get("mixup")
@@ -165,9 +169,15 @@ class FinetuneTrainer(loop.Trainer):
       images, targets, _ = mixup_lib.mix_batch(
           mix_rng, images, targets, mixup_alpha=mix.mixup_alpha,
           cutmix_alpha=mix.cutmix_alpha, switch_prob=mix.switch_prob, prob=mix.prob)
-    logits, _ = model.apply({"params": params}, images, train=train,
+    return {**batch, "image": images, "targets": targets}
+
+  def loss_fn(self, model, params, model_state, batch, rng, train):
+    _, drop_rng = jax.random.split(rng)
+    if "targets" not in batch:    # called outside the train step (benchmarks, tests)
+      batch = self.prepare_batch(model, batch, rng, train)
+    logits, _ = model.apply({"params": params}, batch["image"], train=train,
                             rngs={"dropout": drop_rng})
-    loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, targets))
+    loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, batch["targets"]))
     accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
     return loss, ({"train_accuracy": accuracy}, model_state)
 

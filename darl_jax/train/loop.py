@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import logging
 from etils import epath
@@ -51,6 +52,8 @@ from darl_jax import optim
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
+from darl_jax.train import accumulate
+from darl_jax.train import aot
 from darl_jax.train import feed as feed_lib
 
 
@@ -84,8 +87,22 @@ class Trainer:
     raise NotImplementedError
 
   def loss_fn(self, model, params, model_state, batch, rng, train: bool):
-    """-> (loss, (metrics dict, new model_state)). Scalar metrics are logged."""
+    """-> (loss, (metrics dict, new model_state)). Scalar metrics are logged.
+
+    With gradient accumulation (``microbatch_size``) ``batch`` is one
+    microbatch of the step's prepared batch (``prepare_batch``) and ``rng``
+    that microbatch's key; ``metrics[accumulate.METRIC_WEIGHTS]``, if given,
+    weighs a weighted-mean loss or metric across microbatches."""
     raise NotImplementedError
+
+  def prepare_batch(self, model, batch, rng, train: bool) -> dict:
+    """The step's per-example randomness (noise, prefix lengths, orders) and
+    mixing across examples (mixup), made once on the whole batch before it
+    is split into microbatches (train/accumulate.py), from the step's
+    ``rng``: returns ``batch`` with whatever ``loss_fn`` reads, every new
+    entry with the batch's leading axis. Default: ``batch`` unchanged."""
+    del model, rng, train
+    return batch
 
   def eval_fn(self, model, params, model_state, batch, rng) -> dict:
     """-> dict of per-example arrays ``[b]``; the loop averages them over valid rows."""
@@ -183,7 +200,7 @@ def on_mesh(fn: Callable, mesh) -> Callable:
 
 
 def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
-                    ema_decay: float = 0.0) -> Callable:
+                    ema_decay: float = 0.0, num_microbatches: int = 1) -> Callable:
   """The (unjitted) update ``(state, batch) -> (state, metrics)``.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
@@ -191,18 +208,31 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
   and the benchmarks. ``mesh``: the mesh the step is jitted for (its batch
   split is the kernels', see on_mesh); None for one device. ``ema_decay > 0``:
   the state has an ``ema``, which averages in the updated parameters.
+  ``num_microbatches > 1``: the batch's gradient is accumulated over that
+  many microbatches in one scan (train/accumulate.py), one update per step.
   """
+  batch_shards = 1 if mesh is None else int(np.prod(
+      [mesh.shape[a] for a in sharding_lib.BATCH_AXES]))
+  spec = None if mesh is None else sharding_lib.batch_sharding(mesh).spec
 
   @functools.partial(on_mesh, mesh=mesh)
   def train_step(state, batch):
     batch = feed_lib.model_input(batch)
     rng = jax.random.fold_in(base_rng, state["step"])
+    batch = trainer.prepare_batch(model, batch, rng, True)
 
-    def loss_of(params):
-      return trainer.loss_fn(model, params, state["model_state"], batch, rng, True)
+    def loss_of(params, batch, key):
+      return trainer.loss_fn(model, params, state["model_state"], batch, key, True)
 
-    (loss, (metrics, model_state)), grads = jax.value_and_grad(
-        loss_of, has_aux=True)(state["params"])
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if num_microbatches == 1:
+      (loss, (metrics, model_state)), grads = grad_fn(state["params"], batch, rng)
+      metrics, _ = accumulate.pop_weights(metrics)
+    else:
+      keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(num_microbatches))
+      microbatches = accumulate.split(batch, num_microbatches, batch_shards, spec)
+      loss, metrics, model_state, grads = accumulate.accumulate(
+          grad_fn, state["params"], microbatches, keys)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -358,6 +388,9 @@ class Setup:
   eval_step: Callable            # jitted (params, model_state, batch) -> metric sums
   init_state_fn: Callable        # rng -> state (unjitted)
   eval_view: Callable            # state -> the state evaluation sees (see eval_view)
+  make_step: Callable            # num_microbatches -> a jitted train step like train_step
+  abstract_batch: Any            # the training batch as ShapeDtypeStructs (aot.abstract_batch)
+  batch_shards: int              # data x fsdp: the devices a batch is split over
 
   def init_state(self) -> dict:
     """A fresh state, built on the mesh (never on the host)."""
@@ -429,15 +462,66 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
       abstract_state, state_shardings)
 
   # --------------------------------------------------------------- the steps
-  train_step = make_train_step(trainer, model, tx, schedule, base_rng, mesh, ema_decay)
-  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                       out_shardings=(state_shardings, None), donate_argnums=(0,))
+  def make_step(num_microbatches: int):
+    step = make_train_step(trainer, model, tx, schedule, base_rng, mesh, ema_decay,
+                           num_microbatches)
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=(0,))
+
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  microbatch = config.get("microbatch_size", 0)
+  # -1 (automatic) is resolved when the step is compiled (compile_train_step).
+  num_microbatches = (1 if microbatch == -1 else
+                      accumulate.num_microbatches(config.batch_size, microbatch, batch_shards))
   eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
   return Setup(ctx=ctx, model=model, mesh=mesh, batch_sharding=batch_sharding,
                steps_per_epoch=steps_per_epoch, tx=tx, schedule=schedule, base_rng=base_rng,
                abstract_state=abstract_state, state_shardings=state_shardings,
-               train_step=train_step, eval_step=eval_step, init_state_fn=init_state,
-               eval_view=eval_view(config, state_shardings))
+               train_step=make_step(num_microbatches), eval_step=eval_step,
+               init_state_fn=init_state, eval_view=eval_view(config, state_shardings),
+               make_step=make_step, batch_shards=batch_shards,
+               abstract_batch=aot.abstract_batch(train_source.image_shape, config.batch_size,
+                                                 batch_sharding))
+
+
+def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
+  """The train step compiled ahead of time for the state and batch it runs
+  on (train/aot.py), its memory checked against ``device``'s (default: the
+  mesh's first) before any step runs: a step that cannot fit raises
+  aot.DoesNotFit naming the fix. ``microbatch_size=-1`` is resolved here
+  (the largest microbatch that fits). Returns ``(compiled, info)``: info
+  holds the microbatch, the footprint and the phases' seconds."""
+  device = device if device is not None else built.mesh.devices.flat[0]
+  capacity = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
+  batch_size = config.batch_size
+  sizes = accumulate.candidates(batch_size, built.batch_shards)
+  times = {}
+
+  def compile_for(microbatch: int):
+    step = built.make_step(batch_size // microbatch)
+    compiled, t = aot.compile_step(step, built.abstract_state, built.abstract_batch)
+    for k, v in t.items():
+      times[k] = times.get(k, 0.0) + v
+    return compiled
+
+  requested = config.get("microbatch_size", 0)
+  if requested == -1:
+    microbatch, compiled = aot.choose_microbatch(compile_for, sizes, capacity)
+  else:
+    microbatch = requested or batch_size
+    compiled = compile_for(microbatch)
+  fp = aot.footprint(compiled)
+  aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
+  estimate = aot.describe_estimate(config, dict(built.mesh.shape), microbatch)
+  logging.info(
+      "train step compiled (trace %.1f s, lower %.1f s, compile %.1f s): %s per device%s%s; "
+      "%d microbatch(es) of %d", times["trace_s"], times["lower_s"], times["compile_s"],
+      fp.describe() if fp else "no memory analysis on this backend",
+      f" of {capacity / aot.GIB:.2f} GiB" if capacity else "",
+      f"; memory.py's estimate {estimate}" if estimate else "",
+      batch_size // microbatch, microbatch)
+  return compiled, {"microbatch_size": microbatch, "footprint": fp, "capacity": capacity,
+                    **times}
 
 
 def eval_view(config, state_shardings) -> Callable[[dict], dict]:
@@ -449,6 +533,43 @@ def eval_view(config, state_shardings) -> Callable[[dict], dict]:
     return lambda state: state
   averaged = jax.jit(ema_lib.average, out_shardings=state_shardings["params"])
   return lambda state: {**state, "params": averaged(state["ema"], state["params"])}
+
+
+def _memory_line(stats: dict) -> str:
+  return ", ".join(f"{k[len('memory_'):-len('_gib')].replace('_', ' ')} {v:.2f} GiB"
+                   for k, v in stats.items())
+
+
+class Profile:
+  """A jax.profiler trace of the steps ``[profile.start_step, start_step +
+  num_steps)`` into ``<workdir>/profile`` (config.profile; start_step 0 =
+  off), on the main process. The last traced step is waited for before the
+  trace stops, so its device work is in it."""
+
+  def __init__(self, config, workdir, is_main: bool):
+    cfg = config.get("profile") or {}
+    self.first = int(cfg.get("start_step", 0) or 0) if is_main else 0
+    self.last = self.first + int(cfg.get("num_steps", 3) or 1) - 1
+    self.directory = str(workdir / "profile")
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.first and step == self.first:
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+      logging.info("profiling steps %d to %d into %s", self.first, self.last, self.directory)
+
+  def after(self, step: int, metrics) -> None:
+    if self.active and step == self.last:
+      jax.block_until_ready(metrics)
+      self.stop()
+
+  def stop(self) -> None:
+    if self.active:
+      self.active = False
+      jax.profiler.stop_trace()
+      logging.info("wrote the profile to %s (TensorBoard's profile plugin or Perfetto)",
+                   self.directory)
 
 
 def run(trainer: Trainer, config, workdir: str) -> dict:
@@ -487,8 +608,13 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   ctx, model, mesh, batch_sharding = built.ctx, built.model, built.mesh, built.batch_sharding
   train_source, eval_source = ctx.train_source, ctx.eval_source
   total_steps, steps_per_epoch = ctx.total_steps, built.steps_per_epoch
-  state_shardings, train_step, eval_step = (built.state_shardings, built.train_step,
-                                            built.eval_step)
+  state_shardings, eval_step = built.state_shardings, built.eval_step
+  # Compiled before the checkpoint is read or the data flows: a step that
+  # cannot fit the device stops here, naming the fix.
+  train_step, _ = compile_train_step(built, config)
+  device = mesh.devices.flat[0]
+  if aot.memory_stats(device):
+    logging.info("device memory after compiling: %s", _memory_line(aot.memory_stats(device)))
 
   # Closed by ``cleanup``; on an error it first finishes (or removes) the save
   # in flight, so that the newest complete checkpoint survives the error.
@@ -571,10 +697,14 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   stop_at = total_steps
   if config.get("stop_after_steps", 0) > 0:
     stop_at = min(total_steps, start_step + config.stop_after_steps)
+  profile = Profile(config, workdir, is_main)
+  cleanup.callback(profile.stop)
   step = start_step
   for step in range(start_step + 1, stop_at + 1):
     batch, data_state = next(feed)
+    profile.before(step)
     state, metrics = train_step(state, batch)
+    profile.after(step, metrics)
     history.append(metrics)
     record = {}     # this step's one line in metrics.jsonl: log window and evaluation
     # At most two steps in flight: the host waits for the device here, so
@@ -592,6 +722,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       last = _mean_metrics(history, log_carry)
       history, log_carry = [], None
       last["param_norm"] = float(param_norm(state["params"]))   # after this step
+      last.update(aot.memory_stats(device))
       timing = clock.window()
       shown = {k: last[k] for k in ("loss", "learning_rate", "grad_norm") if k in last}
       if "input_wait_fraction" in timing:

@@ -18,8 +18,10 @@ from PIL import Image
 
 from darl_jax import diffusion
 from darl_jax import objectives
+from darl_jax import patches
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
+from darl_jax.train import accumulate
 from darl_jax.train import loop
 
 
@@ -38,12 +40,35 @@ class PretrainTrainer(loop.Trainer):
     p, n = jax.random.split(rng)
     return model.init({"params": p, "noise": n}, batch["image"], train=False)
 
+  def prepare_batch(self, model, batch, rng, train):
+    """The step's draws, made once on the whole batch and sliced with it
+    (train/accumulate.py): ``batch["draws"]`` holds the diffusion levels and
+    noise and the prefix lengths (objectives.draws), and a two-stream model
+    with ``ordering="random"`` its per-example orders ``perm [B, N]``."""
+    if not train:
+      return batch
+    noise, _ = jax.random.split(rng)
+    key, stream = jax.random.split(noise)
+    draws = objectives.draws(model, batch["image"], key)
+    if model.two_stream and model.ordering == "random":
+      b, n = objectives.noise_shape(model, batch["image"])[:2]
+      draws["perm"] = patches.random_permutations(jax.random.fold_in(stream, 7), b, n)
+    return {**batch, "draws": draws}
+
   def loss_fn(self, model, params, model_state, batch, rng, train):
-    noise, dropout = jax.random.split(rng)
-    draws, stream = jax.random.split(noise)
-    loss, metrics = model.apply({"params": params}, batch["image"], draws, train=train,
-                                rngs={"noise": stream, "dropout": dropout},
-                                method=objectives.loss)
+    _, dropout = jax.random.split(rng)
+    if "draws" not in batch:    # called outside the train step (benchmarks, tests)
+      batch = self.prepare_batch(model, batch, rng, train)
+    if train:
+      loss, metrics = model.apply({"params": params}, batch["image"], train=True,
+                                  rngs={"dropout": dropout},
+                                  method=objectives.loss_given_noise, **batch["draws"])
+    else:
+      draws, stream = jax.random.split(jax.random.split(rng)[0])
+      loss, metrics = model.apply({"params": params}, batch["image"], draws, train=False,
+                                  rngs={"noise": stream}, method=objectives.loss)
+    metrics = dict(metrics)
+    metrics[accumulate.METRIC_WEIGHTS] = metrics.pop("counts")
     return loss, (metrics, model_state)
 
   def eval_fn(self, model, params, model_state, batch, rng):

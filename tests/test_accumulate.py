@@ -1,0 +1,276 @@
+"""Gradient accumulation (train/accumulate.py): the step over k microbatches is
+the one-shot step on the same batch. Tiny models on CPU; the sharded cases
+run in a subprocess with 4 fake devices."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from darl_jax import config_lib
+from darl_jax.train import accumulate
+from darl_jax.train import finetune
+from darl_jax.train import linear_probe
+from darl_jax.train import loop
+from darl_jax.train import pretrain
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import tiny_config  # noqa: E402  pylint: disable=wrong-import-position
+from xla_env import cpu_devices_flags  # noqa: E402  pylint: disable=wrong-import-position
+
+RTOL = 2e-5     # float32 sums in another order
+ATOL = 1e-6
+
+
+def configure(c, **overrides):
+  for dotted, value in overrides.items():
+    parent, key = config_lib.config_node(c, dotted)
+    parent[key] = value
+  if "predictions" in c:
+    c.predictions.num_images = 0
+  return c
+
+
+def pretrain_config(objective="diffusion", **overrides):
+  return configure(tiny_config.get_config(f"objective={objective},steps=2"), **overrides)
+
+
+def finetune_config(**overrides):
+  c = finetune.finetune_config()
+  c.update(total_steps=2, batch_size=16, log_every_steps=1, eval_every_steps=0,
+           tensorboard=False)
+  c.data.update(name="digits", image_size=8, channels=1, augment="none", num_workers=0)
+  c.model.update(variant="mu/2", image_size=8, channels=1, rope_max_wavelength=100.0)
+  c.optim.update(warmup_steps=1, base_lr=1e-2)
+  return configure(c, **overrides)
+
+
+def probe_config(**overrides):
+  c = linear_probe.linear_probe_config()
+  c.update(total_steps=2, batch_size=16, log_every_steps=1, eval_every_steps=0,
+           tensorboard=False)
+  c.data.update(name="digits", image_size=8, channels=1, augment="none", num_workers=0)
+  c.model.update(variant="mu/2", image_size=8, channels=1, rope_max_wavelength=100.0)
+  c.optim.update(warmup_steps=1)
+  return configure(c, **overrides)
+
+
+def host_batch(built, seed=0):
+  h, w, c = built.ctx.train_source.image_shape
+  rng = np.random.default_rng(seed)
+  b = built.ctx.config.batch_size
+  return {"image": rng.integers(0, 256, (b, h, w, c), dtype=np.uint8),
+          "label": rng.integers(0, 10, (b,), dtype=np.int32)}
+
+
+def one_step(trainer_cls, config, num_microbatches, *, steps=1):
+  """The state and metrics after ``steps`` steps from the same initial state
+  on the same batches, with the batch split into ``num_microbatches``."""
+  built = loop.setup(trainer_cls(config), config)
+  state = built.init_state()
+  step = built.make_step(num_microbatches)
+  for i in range(steps):
+    state, metrics = step(state, loop.to_global(host_batch(built, i), built.batch_sharding))
+  return jax.device_get(state), jax.device_get(metrics)
+
+
+def assert_close(a, b, rtol=RTOL, atol=ATOL):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                               rtol=rtol, atol=atol)
+
+
+def assert_same_step(one, acc, metric_names=None):
+  (s1, m1), (s2, m2) = one, acc
+  names = metric_names or sorted(m1)
+  assert sorted(m1) == sorted(m2)
+  for k in names:
+    np.testing.assert_allclose(m1[k], m2[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert_close(s1["params"], s2["params"])
+  assert_close(s1["opt_state"], s2["opt_state"])
+  if "ema" in s1:
+    assert_close(s1["ema"], s2["ema"])
+
+
+# ---------------------------------------------------------------- the splits
+
+
+def test_split_keeps_every_device_slice_on_its_device():
+  # 2 device slices of 4 rows, 2 microbatches: microbatch i holds rows
+  # 2i, 2i+1 of each slice, so splitting moves nothing between devices.
+  x = jnp.arange(8)
+  out = np.asarray(accumulate.split(x, 2, batch_shards=2))
+  np.testing.assert_array_equal(out, [[0, 1, 4, 5], [2, 3, 6, 7]])
+  # Every row exactly once; one device: contiguous microbatches.
+  np.testing.assert_array_equal(np.asarray(accumulate.split(x, 4, 1)),
+                                np.arange(8).reshape(4, 2))
+
+
+def test_weighted_mean_counts_a_weightless_nan_for_nothing():
+  v = jnp.array([2.0, jnp.nan, 5.0])
+  w = jnp.array([1.0, 0.0, 3.0])
+  assert float(accumulate.weighted_mean(v, w)) == pytest.approx((2 + 15) / 4)
+  assert np.isnan(float(accumulate.weighted_mean(v, jnp.zeros(3))))
+
+
+def test_microbatch_size_errors_name_the_valid_sizes():
+  assert accumulate.num_microbatches(64, 0, 4) == 1
+  assert accumulate.num_microbatches(64, 16, 4) == 4
+  with pytest.raises(config_lib.ConfigError, match="must divide batch_size 64.*32, 16, 8, 4"):
+    accumulate.num_microbatches(64, 24, 4)
+  with pytest.raises(config_lib.ConfigError, match="data x fsdp devices"):
+    accumulate.num_microbatches(64, 2, 4)
+  with pytest.raises(config_lib.ConfigError, match="microbatch_size"):
+    config_lib.validate(pretrain_config(microbatch_size=-2))
+
+
+# ------------------------------------------------- accumulated == one-shot
+
+
+@pytest.mark.parametrize("objective,extra", [
+    ("mse", {}),
+    ("diffusion", {"ema_decay": 0.5}),
+    # A weighted-mean loss (only patches after the prefix count) with k = 2
+    # noise draws: exact only if each microbatch weighs by its patch count,
+    # and the per-gamma bins by their counts.
+    # SGD: the attention's key bias has no gradient (softmax ignores a shift
+    # shared by all keys), so its gradient is rounding noise, which Adam's
+    # normalisation would blow up into updates of the size of any other.
+    ("diffusion", {"model.prefix": "uniform", "loss.noise_samples": 2,
+                   "optim.name": "sgd"}),
+])
+def test_accumulated_pretraining_step_is_the_one_shot_step(objective, extra):
+  config = pretrain_config(objective, **extra)
+  one = one_step(pretrain.PretrainTrainer, config, 1, steps=2)
+  for k in (2, 4):
+    assert_same_step(one, one_step(pretrain.PretrainTrainer, config, k, steps=2))
+
+
+def test_accumulated_two_stream_random_order_step_is_the_one_shot_step():
+  config = pretrain_config("mse", **{"model.two_stream": True, "model.ordering": "random"})
+  assert_same_step(one_step(pretrain.PretrainTrainer, config, 1),
+                   one_step(pretrain.PretrainTrainer, config, 2))
+
+
+def test_accumulated_fine_tuning_with_mixup_is_the_one_shot_step():
+  # Mixup pairs examples across the whole batch: it runs before the split.
+  config = finetune_config(ema_decay=0.5)
+  assert config.mixup.mixup_alpha > 0 and config.mixup.prob > 0
+  one = one_step(finetune.FinetuneTrainer, config, 1)
+  assert_same_step(one, one_step(finetune.FinetuneTrainer, config, 4))
+
+
+def test_drop_path_draws_per_microbatch_from_its_own_key():
+  # Drop path is drawn inside the model from microbatch i's key fold_in(key, i):
+  # the accumulated gradient is the mean of those microbatches' gradients.
+  config = finetune_config(**{"model.drop_path": 0.5})
+  trainer = finetune.FinetuneTrainer(config)
+  built = loop.setup(trainer, config)
+  state = built.init_state()
+  batch = loop.to_global(host_batch(built), built.batch_sharding)
+  rng = jax.random.fold_in(built.base_rng, 0)
+  prepared = trainer.prepare_batch(built.model, loop.model_input(batch), rng, True)
+  micro = accumulate.split(prepared, 2, 1)
+  grads = [jax.grad(lambda p, i=i: trainer.loss_fn(
+      built.model, p, {}, jax.tree_util.tree_map(lambda x: x[i], micro),
+      jax.random.fold_in(rng, i), True)[0])(state["params"]) for i in range(2)]
+  want = float(jnp.sqrt(sum(jnp.sum(jnp.square((a + b) / 2)) for a, b in zip(
+      jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1])))))
+  _, metrics = built.make_step(2)(state, batch)
+  assert float(metrics["grad_norm"]) == pytest.approx(want, rel=1e-4)
+  one = one_step(finetune.FinetuneTrainer, config, 1)[1]
+  assert float(one["grad_norm"]) != pytest.approx(want, rel=1e-3)   # other masks
+
+
+def test_probe_batch_norm_statistics_over_microbatches():
+  # Each microbatch normalises with its own statistics (ghost batch norm);
+  # the running mean moves by the mean of the microbatch means, which is the
+  # batch's mean: the same as the one-shot step's.
+  config = probe_config()
+  (s1, m1), (s2, m2) = (one_step(linear_probe.LinearProbeTrainer, config, k) for k in (1, 2))
+  stats1, stats2 = s1["model_state"]["batch_stats"], s2["model_state"]["batch_stats"]
+  means = lambda t: [x for p, x in jax.tree_util.tree_leaves_with_path(t)
+                     if "mean" in jax.tree_util.keystr(p)]
+  assert means(stats1)
+  assert_close(means(stats1), means(stats2), rtol=1e-5, atol=1e-6)
+  # The losses differ (other normalisation statistics) but stay close.
+  assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=0.2)
+  assert float(m2["loss"]) != float(m1["loss"])
+
+
+# --------------------------------------------------------------- in the loop
+
+
+def test_accumulated_run_resumes_bit_identically(tmp_path):
+  config = pretrain_config("diffusion", total_steps=4, microbatch_size=8,
+                           checkpoint_every_steps=2, eval_every_steps=0)
+  straight = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "a"))
+  config.stop_after_steps = 2
+  loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
+  config.stop_after_steps = 0
+  resumed = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
+  assert resumed["loss"] == straight["loss"]
+  assert resumed["param_norm"] == straight["param_norm"]
+
+
+def test_a_step_that_cannot_fit_stops_before_the_first_step_naming_the_fix(tmp_path):
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  config = pretrain_config("diffusion", device_memory_gib=0.004, eval_every_steps=0)
+  with pytest.raises(aot.DoesNotFit, match=r"set --config\.microbatch_size=\d+ "):
+    loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "w"))
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_automatic_microbatch_is_the_largest_that_fits():
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  config = pretrain_config("diffusion", microbatch_size=-1)
+  built = loop.setup(pretrain.PretrainTrainer(config), config)
+  _, info = loop.compile_train_step(built, config)
+  assert info["microbatch_size"] == 16               # CPU: no limit, the whole batch
+  whole = info["footprint"]
+  # A limit between the whole batch's and a quarter's footprint: a smaller
+  # microbatch is chosen, and it fits.
+  config.device_memory_gib = (whole.total - whole.temporaries / 2) / aot.GIB / aot.FIT_FRACTION
+  _, info = loop.compile_train_step(built, config)
+  assert info["microbatch_size"] < 16
+  assert info["footprint"].total <= aot.FIT_FRACTION * info["capacity"]
+
+
+# ------------------------------------------------------- 4 fake devices
+
+MESHES = {"data": {"data": 4, "fsdp": 1, "tensor": 1}, "fsdp": {"data": 2, "fsdp": 2, "tensor": 1}}
+
+
+def _worker(outdir: str) -> None:
+  assert jax.device_count() == 4
+  result = {}
+  for name, mesh in MESHES.items():
+    config = pretrain_config("diffusion", sharding="fsdp" if name == "fsdp" else "replicated",
+                             ema_decay=0.5)
+    config.mesh.update(mesh)
+    (s1, m1), (s2, m2) = (one_step(pretrain.PretrainTrainer, config, k) for k in (1, 2))
+    assert_same_step((s1, m1), (s2, m2))
+    result[name] = float(m1["loss"])
+  with open(os.path.join(outdir, "result.json"), "w") as f:
+    json.dump(result, f)
+
+
+def test_accumulated_step_is_the_one_shot_step_on_data_and_fsdp_meshes(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_devices_flags(4),
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  proc = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads((tmp_path / "result.json").read_text())
+  assert set(result) == set(MESHES)
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1])
