@@ -27,6 +27,11 @@ def _image_folder(config, split, seed):
   return image_folder.build(config, split=split, seed=seed)
 
 
+def _webdataset(config, split, seed):
+  from darl_jax.data import webdataset  # pylint: disable=g-import-not-at-top
+  return webdataset.build(config, split=split, seed=seed)
+
+
 def _imagenet2012(config, split, seed):
   from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
   return tfds_source.build(config, split=split, seed=seed,
@@ -49,6 +54,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "digits": _digits,
     "imagenet2012": _imagenet2012,
     "image_folder": _image_folder,
+    "webdataset": _webdataset,
     "tfds": _tfds,
     "synthetic": _synthetic,
 }

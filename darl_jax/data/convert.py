@@ -1,0 +1,128 @@
+"""Writes an image folder into tar shards, once, for the sharded sources.
+
+    python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=tar \\
+        --shard_size=10000
+
+The folder is read as the image_folder source reads it (split folders
+``train/``, ``val/``..., or one pool; optional class sub-folders), and each
+split becomes ``<dst>/<split>-000000.tar``, ``-000001.tar``, ... of
+``shard_size`` images: WebDataset samples ``{key}.<ext>`` with the file's
+bytes unchanged (no re-encoding: the same pixels) and, when the folder has
+class sub-folders, ``{key}.cls`` (the class index of the sorted class names,
+the labels image_folder gives). Keys are the relative paths without their
+extension (dots in a name become ``_``, since a WebDataset key ends at the
+first dot). A folder without split folders becomes ``train-*`` only: point
+``data.path`` at it and the webdataset source holds out validation by hash.
+The printed lines give the ``data.path`` / ``data.eval_path`` to train on.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import tarfile
+import time
+from typing import Sequence
+
+from absl import app, flags
+
+from darl_jax.data import image_folder
+
+FORMATS = ("tar",)
+
+
+def _sample_key(rel: str) -> str:
+  stem, _ = os.path.splitext(rel.replace(os.sep, "/"))
+  folder, name = posixpath.split(stem)
+  return posixpath.join(folder, name.replace(".", "_"))
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
+  info = tarfile.TarInfo(name)
+  info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
+  tar.addfile(info, io.BytesIO(data))
+
+
+def write_tar_shards(base: str, files: Sequence[str], classes: Sequence[str], dst: str,
+                     prefix: str, shard_size: int) -> list[str]:
+  """Writes ``files`` (relative to ``base``) into ``<dst>/<prefix>-NNNNNN.tar``."""
+  if shard_size <= 0:
+    raise ValueError(f"--shard_size must be positive, got {shard_size}")
+  index = {name: i for i, name in enumerate(classes)}
+  written = []
+  os.makedirs(dst, exist_ok=True)
+  for start in range(0, len(files), shard_size):
+    path = os.path.join(dst, f"{prefix}-{start // shard_size:06d}.tar")
+    tmp = path + ".tmp"
+    with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+      for rel in files[start:start + shard_size]:
+        full = os.path.join(base, rel)
+        with open(full, "rb") as f:
+          data = f.read()
+        key, mtime = _sample_key(rel), os.path.getmtime(full)
+        ext = os.path.splitext(rel)[1].lstrip(".").lower()
+        _add(tar, f"{key}.{ext}", data, mtime)
+        if classes:
+          _add(tar, f"{key}.cls", str(index[rel.split(os.sep)[0]]).encode(), mtime)
+    os.replace(tmp, path)
+    written.append(path)
+  return written
+
+
+def convert(src: str, dst: str, fmt: str = "tar", shard_size: int = 10_000,
+            val_split_size=None) -> dict[str, list[str]]:
+  """{split: shard paths} of ``src`` written under ``dst``."""
+  if fmt not in FORMATS:
+    raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f"--src {src} is not a folder of images")
+  folders = image_folder._split_folders(src)   # pylint: disable=protected-access
+  splits = [s for s in ("train", "validation", "test") if s in folders] or ["train"]
+  listed = {}
+  for split in splits:
+    if folders:
+      base, files, all_lists = image_folder.resolve_files(src, split, val_split_size)
+    else:   # one pool: every image, the source splits it by hash
+      base, files = src, image_folder.list_images(src)
+      all_lists = [files]
+      if not files:
+        raise ValueError(f"no images ({', '.join(image_folder.IMAGE_EXTENSIONS)}) under {src}")
+    listed[split] = (base, files, all_lists)
+  classes = image_folder.class_names([f for _, _, lists in listed.values() for f in lists])
+  out = {}
+  for split, (base, files, _) in listed.items():
+    out[split] = write_tar_shards(base, files, classes, dst, split, shard_size)
+  return out
+
+
+def _brace(paths: list[str]) -> str:
+  """The brace pattern of consecutive shards ``x-000000.tar .. x-00000N.tar``."""
+  if len(paths) == 1:
+    return paths[0]
+  head = paths[0][:-len("000000.tar")]
+  return f"{head}{{000000..{len(paths) - 1:06d}}}.tar"
+
+
+_SRC = flags.DEFINE_string("src", None, "the image folder to convert")
+_DST = flags.DEFINE_string("dst", None, "the folder to write the shards into")
+_FORMAT = flags.DEFINE_enum("format", "tar", list(FORMATS), "shard format")
+_SHARD_SIZE = flags.DEFINE_integer("shard_size", 10_000, "images per shard")
+
+
+def main(argv) -> None:
+  del argv
+  if not _SRC.value or not _DST.value:
+    raise app.UsageError("--src and --dst are required")
+  start = time.perf_counter()
+  out = convert(_SRC.value, _DST.value, _FORMAT.value, _SHARD_SIZE.value)
+  for split, paths in out.items():
+    print(f"{split}: {len(paths)} shard(s), {_brace(paths)}")
+  train = _brace(out["train"])
+  extra = f" --config.data.eval_path='{_brace(out['validation'])}'" if "validation" in out else ""
+  print(f"done in {time.perf_counter() - start:.1f} s; train with "
+        f"--config.data.name=webdataset --config.data.path='{train}'{extra}")
+
+
+if __name__ == "__main__":
+  app.run(main)
