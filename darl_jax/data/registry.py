@@ -32,6 +32,11 @@ def _webdataset(config, split, seed):
   return webdataset.build(config, split=split, seed=seed)
 
 
+def _parquet(config, split, seed):
+  from darl_jax.data import parquet  # pylint: disable=g-import-not-at-top
+  return parquet.build(config, split=split, seed=seed)
+
+
 def _imagenet2012(config, split, seed):
   from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
   return tfds_source.build(config, split=split, seed=seed,
@@ -55,6 +60,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "imagenet2012": _imagenet2012,
     "image_folder": _image_folder,
     "webdataset": _webdataset,
+    "parquet": _parquet,
     "tfds": _tfds,
     "synthetic": _synthetic,
 }

@@ -1,0 +1,193 @@
+"""Parquet files of encoded images (``data.name=parquet``), read by row group.
+
+The format Hugging Face datasets publishes: a column of images, either a
+struct with a ``bytes`` field (``{"bytes": ..., "path": ...}``, HF's Image
+feature) or a plain binary column (``data.image_column``, default "image"),
+and optionally an integer label column (``data.label_column``, default
+"label"; a file without it is unlabeled). ``data.path`` / ``data.eval_path``
+are shard patterns as for tar shards (`shards.expand`: braces, globs,
+``gs://``); without ``eval_path`` validation is a hash split of ``path``.
+
+Random access by row group: the files' footers give every row's (file, row
+group, row); labels are read up front (one small column); a worker reads a
+row group's image column when it first needs one of its rows and keeps the
+last few (``CACHED_ROW_GROUPS``). A Parquet file cannot read one row
+alone, so a uniform shuffle over all rows would read a whole row group per
+image; training epochs are therefore block-shuffled: the row groups are
+permuted, and the rows of each window of ``SHUFFLE_WINDOW`` consecutive row
+groups (in that permuted order) are shuffled together. Every row is seen
+once per epoch, the order is a pure function of (seed, epoch) as for the
+other sources (resume, per-process slices and determinism hold), and a
+batch touches about ``SHUFFLE_WINDOW`` row groups. Write files with row groups
+of a few hundred to a few thousand images (HF's default) for a good shuffle.
+
+pyarrow comes with TensorFlow Datasets (the ``tfds`` extra) and is pinned in
+constraints.txt; without it the source says to ``pip install pyarrow``. It is
+imported only when a Parquet source is built.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from darl_jax.data import augment as aug
+from darl_jax.data import encoded, shards
+from darl_jax.data.base import cfg_get
+
+SHUFFLE_WINDOW = 4
+CACHED_ROW_GROUPS = SHUFFLE_WINDOW + 2
+
+
+def _pq():
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("the parquet source needs pyarrow: pip install -c constraints.txt "
+                      "pyarrow") from e
+  return pq
+
+
+def _open(path: str):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  if "://" not in path:
+    return _pq().ParquetFile(path)
+  return _pq().ParquetFile(epath.Path(path).open("rb"))
+
+
+def _image_bytes(column, image_column: str, path: str):
+  """The encoded images of a pyarrow column (struct with ``bytes``, or binary)."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  if pa.types.is_struct(column.type):
+    names = [column.type.field(i).name for i in range(column.type.num_fields)]
+    if "bytes" not in names:
+      raise ValueError(f"{path}: column {image_column!r} is a struct without a 'bytes' "
+                       f"field (fields {names}); set data.image_column to the column of "
+                       f"encoded images")
+    column = column.combine_chunks().field("bytes") if isinstance(
+        column, pa.ChunkedArray) else column.field("bytes")
+  elif not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+    raise ValueError(f"{path}: column {image_column!r} holds {column.type}, not encoded "
+                     f"image bytes; set data.image_column")
+  return column.to_pylist()
+
+
+class ParquetSource(encoded.EncodedSource):
+  """Rows of Parquet files (see the module docstring)."""
+
+  def __init__(self, files: list[str], file_ids: np.ndarray, groups: np.ndarray,
+               rows: np.ndarray, image_column: str, **kwargs):
+    super().__init__(what="Parquet row", **kwargs)
+    self.files, self.image_column = list(files), image_column
+    self.file_ids = np.asarray(file_ids, np.int32)
+    self.groups = np.asarray(groups, np.int32)
+    self.rows = np.asarray(rows, np.int64)
+    # One id per (file, row group): the unit of reading and of shuffling.
+    self.blocks = self.file_ids.astype(np.int64) * (int(self.groups.max(initial=0)) + 1) + self.groups
+    self._handles: dict[int, Any] = {}
+    self._cache: collections.OrderedDict = collections.OrderedDict()
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_handles"], state["_cache"] = {}, collections.OrderedDict()
+    return state
+
+  def epoch_permutation(self, epoch: int) -> np.ndarray:
+    perm = self._perms.get(epoch)
+    if perm is None:
+      rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+      ids, members = np.unique(self.blocks, return_inverse=True)
+      order = np.argsort(members, kind="stable")
+      starts = np.searchsorted(members[order], np.arange(len(ids) + 1))
+      block_order = rng.permutation(len(ids))
+      parts = []
+      for w in range(0, len(ids), SHUFFLE_WINDOW):
+        window = np.concatenate([order[starts[b]:starts[b + 1]]
+                                 for b in block_order[w:w + SHUFFLE_WINDOW]])
+        parts.append(rng.permutation(window))
+      perm = np.concatenate(parts)
+      if len(self._perms) >= 4:
+        self._perms.pop(min(self._perms))
+      self._perms[epoch] = perm
+    return perm
+
+  def _group(self, file_id: int, group: int) -> list:
+    key = (file_id, group)
+    images = self._cache.pop(key, None)
+    if images is None:
+      handle = self._handles.get(file_id)
+      if handle is None:
+        handle = self._handles[file_id] = _open(self.files[file_id])
+      table = handle.read_row_group(group, columns=[self.image_column])
+      images = _image_bytes(table.column(0), self.image_column, self.files[file_id])
+      if len(self._cache) >= CACHED_ROW_GROUPS:
+        self._cache.popitem(last=False)
+    self._cache[key] = images
+    return images
+
+  def _read(self, index: int) -> bytes:
+    data = self._group(int(self.file_ids[index]), int(self.groups[index]))[int(self.rows[index])]
+    if data is None:
+      raise ValueError("the image is null")
+    return data
+
+
+def _file_rows(path: str, image_column: str, label_column: str, explicit_label: bool):
+  """(row groups' sizes, labels or None) of one file, from its footer and label column."""
+  handle = _open(path)
+  names = handle.schema_arrow.names
+  if image_column not in names:
+    raise ValueError(f"{path} has no column {image_column!r} (columns: {', '.join(names)}); "
+                     f"set data.image_column to the column of encoded images")
+  sizes = [handle.metadata.row_group(g).num_rows for g in range(handle.num_row_groups)]
+  labels = None
+  if label_column in names:
+    labels = handle.read(columns=[label_column]).column(0).to_numpy(zero_copy_only=False)
+  elif explicit_label:
+    raise ValueError(f"{path} has no label column {label_column!r} (columns: "
+                     f"{', '.join(names)}); set data.label_column, or leave it at 'label' "
+                     f"for unlabeled data")
+  return sizes, labels
+
+
+def build(config: Any, *, split: str, seed: int) -> ParquetSource:
+  pattern, hashed = encoded.split_files(config, split, "parquet")
+  files = shards.expand(pattern, "data.path" if split == "train" or hashed else "data.eval_path")
+  image_column = cfg_get(config, "image_column", "image")
+  label_column = cfg_get(config, "label_column", "label")
+  file_ids, groups, rows, labels, keys = [], [], [], [], []
+  has_labels = True
+  for f, path in enumerate(files):
+    sizes, file_labels = _file_rows(path, image_column, label_column,
+                                    explicit_label=label_column != "label")
+    n = sum(sizes)
+    file_ids.append(np.full(n, f, np.int32))
+    groups.append(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+    rows.append(np.concatenate([np.arange(s, dtype=np.int64) for s in sizes] or
+                               [np.zeros(0, np.int64)]))
+    has_labels = has_labels and file_labels is not None
+    labels.append(np.zeros(n, np.int64) if file_labels is None else
+                  np.nan_to_num(np.asarray(file_labels, np.float64), nan=0).astype(np.int64))
+    base = os.path.basename(path)
+    keys += [f"{base}:{i}" for i in range(n)]
+  if not keys:
+    raise ValueError(f"the Parquet file(s) of {pattern!r} hold no rows")
+  file_ids, groups, rows, labels = map(np.concatenate, (file_ids, groups, rows, labels))
+  chosen = np.arange(len(keys))
+  if hashed:
+    chosen = encoded.hash_split(keys, split, cfg_get(config, "val_split_size", None), pattern)
+  labels = labels[chosen].astype(np.int32) if has_labels else np.zeros(len(chosen), np.int32)
+  logging.info("parquet %s (%s): %d rows in %d file(s)%s", pattern, split, len(chosen),
+               len(files), "" if has_labels else ", unlabeled")
+  return ParquetSource(
+      files, file_ids[chosen], groups[chosen], rows[chosen], image_column,
+      labels=labels, num_classes=encoded.num_classes_of(config, labels, has_labels),
+      names=[keys[i] for i in chosen],
+      image_size=int(cfg_get(config, "image_size", 64)),
+      channels=int(cfg_get(config, "channels", 3)),
+      augment=cfg_get(config, "augment", "none"), seed=seed,
+      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
