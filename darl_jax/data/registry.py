@@ -37,6 +37,11 @@ def _parquet(config, split, seed):
   return parquet.build(config, split=split, seed=seed)
 
 
+def _mixture(config, split, seed):
+  from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
+  return mixture.build(config, split=split, seed=seed)
+
+
 def _imagenet2012(config, split, seed):
   from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
   return tfds_source.build(config, split=split, seed=seed,
@@ -61,6 +66,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "image_folder": _image_folder,
     "webdataset": _webdataset,
     "parquet": _parquet,
+    "mixture": _mixture,
     "tfds": _tfds,
     "synthetic": _synthetic,
 }
