@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import build_source, mixture
+from darl_jax.data import SOURCES, build_source, mixture
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +29,15 @@ def test_parse_specs_and_weights(folder):
   assert mixture.parse("gs://b/x-{000..009}.tar=0.7, digits=0.3") == [
       ("gs://b/x-{000..009}.tar", 0.7), ("digits", 0.3)]
   assert mixture.parse({"digits": 2}) == [("digits", 2.0)]
-  assert mixture.component_config({}, "s/{0..3}.tar")["name"] == "webdataset"
-  assert mixture.component_config({}, "x-*.parquet")["name"] == "parquet"
-  assert mixture.component_config({}, folder)["name"] == "image_folder"
+  assert mixture.component_config({}, "s/{0..3}.tar", SOURCES)["name"] == "webdataset"
+  assert mixture.component_config({}, "x-*.parquet", SOURCES)["name"] == "parquet"
+  assert mixture.component_config({}, folder, SOURCES)["name"] == "image_folder"
   with pytest.raises(ValueError, match="positive"):
     mixture.parse("digits=0")
   with pytest.raises(ValueError, match="no weight"):
     mixture.parse("digits")
   with pytest.raises(ValueError, match="cannot tell"):
-    mixture.component_config({}, "no/such/thing")
+    mixture.component_config({}, "no/such/thing", SOURCES)
 
 
 def test_proportions_determinism_and_process_slices(folder, caplog):

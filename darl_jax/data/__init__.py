@@ -12,6 +12,10 @@ Sources (``config.name``):
                  TFDS builder over the same files); 55000/5000/10000 split.
   digits         scikit-learn's 8x8 digits; fixed 1257/180/360 split.
   image_folder   image files (PIL); split folders (train/, val/) or a hash split.
+  webdataset     tar shards ({key}.jpg + optional {key}.cls), read by member
+                 offset (webdataset.py; patterns in shards.py).
+  parquet        Parquet files of encoded images, read by row group (parquet.py).
+  mixture        weighted mixture of any of these, config.mixture (mixture.py).
   imagenet2012   prepared TFDS imagenet2012 (ArrayRecord records through Grain,
                  or tf.data with JPEG crop-decode).
   tfds           any prepared TFDS dataset (``config.tfds_name``).

@@ -87,15 +87,16 @@ def parse(mixture: Any) -> list[tuple[str, float]]:
   return out
 
 
-def component_config(config: Any, spec: str) -> dict:
-  """``data`` with the name and path of component ``spec``."""
-  from darl_jax.data.registry import SOURCES  # pylint: disable=g-import-not-at-top
+def component_config(config: Any, spec: str, names=()) -> dict:
+  """``data`` with the name and path of component ``spec``; ``names`` are the
+  registry's source names (passed in: the registry imports this module)."""
+  known = set(names)
   base = dict(config.items()) if hasattr(config, "items") else dict(vars(config))
   base.update(mixture=None, eval_path=None)
   head, sep, tail = spec.partition(":")
-  if spec in SOURCES and spec != "mixture":
+  if spec in known and spec != "mixture":
     return {**base, "name": spec}
-  if sep and head in SOURCES and head != "mixture" and not tail.startswith("//"):
+  if sep and head in known and head != "mixture" and not tail.startswith("//"):
     return {**base, "name": head, "path": tail}
   pattern = re.sub(r"\{[^{}]*\}", "0", spec)
   if pattern.endswith(".tar"):
@@ -105,7 +106,7 @@ def component_config(config: Any, spec: str) -> dict:
   if os.path.isdir(os.path.expanduser(spec)):
     return {**base, "name": "image_folder", "path": spec}
   raise ValueError(f"data.mixture: cannot tell what {spec!r} is: give a source name "
-                   f"({', '.join(sorted(s for s in SOURCES if s != 'mixture'))}), "
+                   f"({', '.join(sorted(s for s in known if s != 'mixture'))}), "
                    f"name:path, a *.tar or *.parquet pattern, or a folder of images")
 
 
@@ -259,9 +260,10 @@ class _LoggedCounts:
     self._it.close()
 
 
-def build(config: Any, *, split: str, seed: int) -> MixtureSource:
-  from darl_jax.data import registry  # pylint: disable=g-import-not-at-top
+def build(config: Any, *, split: str, seed: int, build_source, names) -> MixtureSource:
+  """The mixture of ``data.mixture``; ``build_source`` and ``names`` are the
+  registry's (which calls this)."""
   pairs = parse(cfg_get(config, "mixture", None))
-  components = [registry.build_source(component_config(config, spec), split=split, seed=seed)
+  components = [build_source(component_config(config, spec, names), split=split, seed=seed)
                 for spec, _ in pairs]
   return MixtureSource(components, [s for s, _ in pairs], [w for _, w in pairs], seed)

@@ -39,7 +39,8 @@ def _parquet(config, split, seed):
 
 def _mixture(config, split, seed):
   from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
-  return mixture.build(config, split=split, seed=seed)
+  return mixture.build(config, split=split, seed=seed, build_source=build_source,
+                       names=SOURCES)
 
 
 def _imagenet2012(config, split, seed):
