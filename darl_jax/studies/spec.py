@@ -80,6 +80,15 @@ KEYS_ADDED = {
     "eval_with_ema": True,
     "use_ema": None,
     "fewshot_eval": config_lib.fewshot_eval_config().to_dict(),
+    # The probe grid (train/probe_grid.py) at its single setting: the linear
+    # probe's whole ``probe`` dict, then the attentive probe's grid keys
+    # beside its blocks and heads.
+    "probe": {"learning_rates": [], "weight_decays": [], "holdout_size": -1,
+              "poolings": ["mean"]},
+    "probe.learning_rates": [],
+    "probe.weight_decays": [],
+    "probe.holdout_size": -1,
+    "probe.poolings": ["mean"],
 }
 
 

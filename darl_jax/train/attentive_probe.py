@@ -29,6 +29,12 @@ does, so that the two probes differ only in how they pool.
 
 Metrics: ``val_accuracy`` (and ``val_loss``); at the end
 ``attentive_probe.json`` in the workdir (blocks, accuracy, step).
+
+A grid of learning rates x weight decays (``probe.learning_rates``,
+``probe.weight_decays``): one attentive probe per setting over the same
+chosen blocks, all trained on the one frozen pass and chosen on held-out
+training rows (train/probe_grid.py); ``attentive_probe.json`` then also
+holds the chosen setting, its held-out accuracy and the full grid.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from darl_jax.models import probe_heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import linear_probe
 from darl_jax.train import loop
+from darl_jax.train import probe_grid
 
 
 def attentive_probe_config() -> ml_collections.ConfigDict:
@@ -58,9 +65,11 @@ def attentive_probe_config() -> ml_collections.ConfigDict:
   """
   c = linear_probe.linear_probe_config()
   c.trainer = "attentive_probe"
-  # blocks: indices into the backbone's blocks (-1: the last); num_heads: 0 =
-  # the backbone's number of heads.
-  c.probe = ml_collections.ConfigDict({"blocks": (-1,), "num_heads": 0})
+  # blocks: indices into the backbone's blocks (-1: the last);
+  # num_heads: 0 = the backbone's number of heads. The grid keys
+  # (probe_grid.grid_config) at their defaults: one setting, optim's.
+  c.probe = probe_grid.grid_config()
+  c.probe.update(blocks=(-1,), num_heads=0)
   c.batch_size = 1024
   c.total_epochs = 90.0
   c.optim.update(name="adamw", base_lr=1e-3, lr_scaling=True, b1=0.9, b2=0.999,
@@ -98,6 +107,33 @@ class AttentiveHead(nn.Module):
     return linear_probe.BlockProbe(self.num_classes, name="probe")(pooled, train), pooled
 
 
+class TokenProbe(nn.Module):
+  """One head of the probe grid: ``tokens [B, T, D]`` (the chosen blocks'
+  tokens, concatenated) -> logits ``[B, K]``, as ``AttentiveHead`` (the same
+  submodules, ``pool`` and ``probe``)."""
+  num_heads: int
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    pooled = probe_heads.AttentionPool(self.num_heads, name="pool")(tokens)
+    return linear_probe.BlockProbe(self.num_classes, name="probe")(pooled, train)
+
+
+class ChosenTokens(nn.Module):
+  """The probe grid's input: frozen backbone -> the chosen blocks' patch
+  tokens, concatenated along the token axis, ``[B, len(blocks) * N, D]``."""
+  backbone: vit_lib.ViT
+  patch_size: int
+  blocks: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, images, *, train: bool = False):
+    del train
+    tokens = linear_probe.frozen_patch_tokens(self.backbone, self.patch_size, images)
+    return jnp.concatenate([tokens[k] for k in self.blocks], axis=1)
+
+
 class AttentiveProbe(nn.Module):
   """Frozen backbone -> ``AttentiveHead``; returns ``{"attentive": logits}``
   (a dict as ``LayerProbes`` returns, so the linear probe's loss applies)."""
@@ -116,24 +152,37 @@ class AttentiveProbe(nn.Module):
 
 
 class AttentiveProbeTrainer(linear_probe.LinearProbeTrainer):
-  """One attentive probe over the chosen blocks of a frozen, restored backbone."""
+  """One attentive probe over the chosen blocks of a frozen, restored backbone,
+  or a grid of them (one per setting)."""
+
+  def num_candidates(self) -> int:
+    return len(probe_grid.settings(self.config))
 
   def build_model(self, ctx):
     cfg = self.config
-    loop.check_image_shape(cfg, ctx.train_source)
-    if ctx.train_source.num_classes <= 1:
-      raise ValueError(f"{cfg.data.name} has no class labels; a probe needs labels")
+    self.check_labels(ctx)
     backbone, patch = vit_lib.vit_from_config(cfg.model)
     heads = cfg.probe.num_heads or backbone.num_heads
     if heads < 1 or backbone.width % heads:
       raise ValueError(f"probe.num_heads {cfg.probe.num_heads} does not divide the width "
                        f"{backbone.width}; set --config.probe.num_heads=0 (the backbone's)")
-    return AttentiveProbe(backbone=backbone, patch_size=patch,
-                          num_classes=ctx.train_source.num_classes,
-                          blocks=resolve_blocks(tuple(cfg.probe.blocks), backbone.depth),
-                          num_heads=heads)
+    blocks = resolve_blocks(tuple(cfg.probe.blocks), backbone.depth)
+    num_classes = ctx.train_source.num_classes
+    if not self.is_grid:
+      return AttentiveProbe(backbone=backbone, patch_size=patch, num_classes=num_classes,
+                            blocks=blocks, num_heads=heads)
+    self.head_names = ("attentive",)
+    h, w, _ = ctx.train_source.image_shape
+    tokens = len(blocks) * (h // patch) * (w // patch)
+    self.grid = self.make_grid(ctx, TokenProbe(heads, num_classes), 1,
+                               jax.ShapeDtypeStruct((1, tokens, backbone.width), jnp.float32),
+                               shared_input=True)
+    self.grid_blocks, self.grid_heads = blocks, heads
+    return ChosenTokens(backbone=backbone, patch_size=patch, blocks=blocks)
 
   def eval_fn(self, model, params, model_state, batch, rng):
+    if self.grid is not None:
+      return super().eval_fn(model, params, model_state, batch, rng)
     del rng
     logits = model.apply({"params": params, **model_state}, batch["image"],
                          train=False)["attentive"]
@@ -143,12 +192,35 @@ class AttentiveProbeTrainer(linear_probe.LinearProbeTrainer):
                                                  jax.nn.one_hot(labels, model.num_classes))}
 
   def finalize(self, ctx, model, state):
-    """Writes ``attentive_probe.json``: the blocks read and the final accuracy."""
-    scores = self.final_scores(ctx, model, state)
-    report = {"blocks": list(model.blocks), "num_heads": model.num_heads,
-              "accuracy": scores["accuracy"], "loss": scores["loss"],
-              "step": int(jax.device_get(state["step"]))}
-    logging.info("attentive probe over %s: accuracy %.4f", ", ".join(model.blocks),
+    """Writes ``attentive_probe.json``: the blocks read and the final accuracy
+    (a grid's: the chosen setting's, with its held-out accuracy and the grid)."""
+    step = int(jax.device_get(state["step"]))
+    if self.grid is None:
+      scores = self.final_scores(ctx, model, state)
+      report = {"blocks": list(model.blocks), "num_heads": model.num_heads,
+                "accuracy": scores["accuracy"], "loss": scores["loss"], "step": step}
+    else:
+      test, held = self.grid_scores(ctx, model, state)
+      rows = [{"block": "attentive", "learning_rate": s.learning_rate,
+               "weight_decay": s.weight_decay, "setting": s.name,
+               "holdout_accuracy": held.get(f"grid_accuracy_attentive_{s.name}"),
+               "accuracy": test[f"grid_accuracy_attentive_{s.name}"]}
+              for s in self.grid.settings]
+      chosen = probe_grid.choose(rows, "block")["attentive"]
+      report = {"blocks": list(self.grid_blocks), "num_heads": self.grid_heads,
+                "accuracy": chosen["accuracy"], "holdout_accuracy": chosen["holdout_accuracy"],
+                "chosen": chosen, "grid": rows, "step": step,
+                "selection": "holdout" if held else "single setting",
+                "holdout_size": 0 if self.held_out is None else self.held_out.num_examples}
+      scalars = {"val_accuracy": chosen["accuracy"],
+                 "val_chosen_learning_rate": chosen["learning_rate"],
+                 "val_chosen_weight_decay": chosen["weight_decay"],
+                 **{f"val_{k}": v for k, v in test.items()},
+                 **{f"val_holdout_{k}": v for k, v in held.items()}}
+      if held:
+        scalars["val_holdout_accuracy"] = chosen["holdout_accuracy"]
+      ctx.writer.write_scalars(step, scalars)
+    logging.info("attentive probe over %s: accuracy %.4f", ", ".join(report["blocks"]),
                  report["accuracy"])
     if jax.process_index() == 0:
       files.write_json_atomic(ctx.workdir / "attentive_probe.json", report, indent=1)

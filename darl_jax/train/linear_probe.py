@@ -29,6 +29,11 @@ the probes (initialised at std 0.01) could grow by at most a factor
 ``exp(7000 * 1e-4) ~ 2`` over a 90-epoch run. (Fine-tuning, with AdamW, reads
 its table's rate literally; see finetune.py.)
 
+A hyper-parameter grid (``config.probe``: learning rates x weight decays x
+poolings, every block) trains in the same frozen pass and is chosen on
+held-out training rows: train/probe_grid.py. With every ``probe`` key at its
+default the trainer is the single-setting probe above, unchanged.
+
 ``RidgeProbe`` is the optional pretraining evaluator (``config.probe_eval``):
 closed-form ridge regression on frozen, mean-pooled final features.
 """
@@ -52,6 +57,7 @@ from darl_jax.data import mixup as mixup_lib
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import finetune
 from darl_jax.train import loop
+from darl_jax.train import probe_grid
 from darl_jax.train import transfer
 
 
@@ -70,6 +76,10 @@ def linear_probe_config() -> ml_collections.ConfigDict:
                  weight_decay=0.0, warmup_epochs=10.0, warmup_steps=-1,
                  schedule="cosine", layer_decay=0.0, num_layers=0,
                  frozen=["^backbone/"])
+  # The hyper-parameter grid (train/probe_grid.py); at these defaults, the
+  # single setting of optim.base_lr / optim.weight_decay with mean pooling.
+  c.probe = probe_grid.grid_config()
+  c.probe.poolings = ("mean",)
   return c
 
 
@@ -122,6 +132,29 @@ class LayerProbes(nn.Module):
     return Probes(names, self.num_classes, name="probes")(pooled, train)
 
 
+class PooledBlocks(nn.Module):
+  """The probe grid's input: frozen backbone -> ``[H, B, D]``, the pooled patch
+  tokens of every (pooling, block), pooling-major (``head_names``' order).
+  ``mean``: over the patch tokens; ``last``: the last patch token, the one
+  that has seen every patch under the causal mask."""
+  backbone: vit_lib.ViT
+  patch_size: int
+  poolings: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, images, *, train: bool = False):
+    del train                       # frozen: the heads' BatchNorm lives in the grid
+    out = frozen_patch_tokens(self.backbone, self.patch_size, images)
+    pool = {"mean": lambda t: t.mean(1), "last": lambda t: t[:, -1]}
+    return jnp.stack([pool[p](out[k]) for p in self.poolings
+                      for k in block_names(self.backbone.depth)])
+
+
+def head_names(poolings, depth: int) -> tuple[str, ...]:
+  """``block_XX_<pooling>``, in ``PooledBlocks``' order."""
+  return tuple(f"{k}_{p}" for p in poolings for k in block_names(depth))
+
+
 def frozen_patch_tokens(backbone: vit_lib.ViT, patch_size: int, images) -> dict:
   """The frozen backbone's outputs at the patch tokens: ``{block_XX, features:
   [B, N, D]}`` float32, gradient-stopped.
@@ -144,12 +177,32 @@ def frozen_patch_tokens(backbone: vit_lib.ViT, patch_size: int, images) -> dict:
 
 
 class LinearProbeTrainer(loop.Trainer):
-  """Per-block linear probes on a frozen, restored backbone."""
+  """Per-block linear probes on a frozen, restored backbone: one setting
+  (``LayerProbes``, trained by the loop's optimizer) or a grid of them
+  (``PooledBlocks`` + probe_grid.HeadGrid, chosen on held-out rows)."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    self.grid = None                 # probe_grid.HeadGrid, built with the model
+    self.held_out = None             # the held-out training rows (a grid's)
+    if probe_grid.is_grid(config):
+      probe_grid.check_loop_options(config)
+
+  @property
+  def is_grid(self) -> bool:
+    return probe_grid.is_grid(self.config)
+
+  def num_candidates(self) -> int:
+    """Settings per block: the grid's optimizer settings x poolings."""
+    return len(probe_grid.settings(self.config)) * len(self.config.probe.poolings)
 
   def make_source(self, config, split, *, train):
-    return finetune.build_source(config, split, train=train)
+    source = finetune.build_source(config, split, train=train)
+    if train and self.is_grid:
+      source, self.held_out = probe_grid.split_source(config, source, self.num_candidates())
+    return source
 
-  def build_model(self, ctx):
+  def check_labels(self, ctx):
     cfg = self.config
     loop.check_image_shape(cfg, ctx.train_source)
     if ctx.train_source.num_classes <= 1:
@@ -157,18 +210,42 @@ class LinearProbeTrainer(loop.Trainer):
     if "^backbone/" not in list(cfg.optim.get("frozen") or []):
       logging.warning("optim.frozen lacks '^backbone/': the backbone gets no gradient "
                       "(stop_gradient) but weight decay would still move it")
-    backbone, patch = vit_lib.vit_from_config(cfg.model)
-    return LayerProbes(backbone=backbone, patch_size=patch,
-                       num_classes=ctx.train_source.num_classes)
+
+  def make_grid(self, ctx, head, num_heads: int, example, *, shared_input: bool):
+    """The grid's heads and their per-setting optimizers, at the loop's lengths."""
+    cfg = self.config
+    return probe_grid.HeadGrid(
+        head, probe_grid.settings(cfg), num_heads, cfg.optim, example,
+        shared_input=shared_input, total_steps=ctx.total_steps,
+        steps_per_epoch=max(ctx.train_source.num_examples // cfg.batch_size, 1),
+        batch_size=cfg.batch_size)
+
+  def build_model(self, ctx):
+    self.check_labels(ctx)
+    backbone, patch = vit_lib.vit_from_config(self.config.model)
+    num_classes = ctx.train_source.num_classes
+    if not self.is_grid:
+      return LayerProbes(backbone=backbone, patch_size=patch, num_classes=num_classes)
+    poolings = probe_grid.check_poolings(self.config.probe.poolings)
+    self.head_names = head_names(poolings, backbone.depth)
+    self.grid = self.make_grid(ctx, BlockProbe(num_classes), len(self.head_names),
+                               jax.ShapeDtypeStruct((1, backbone.width), jnp.float32),
+                               shared_input=False)
+    return PooledBlocks(backbone=backbone, patch_size=patch, poolings=poolings)
 
   def init_variables(self, model, rng, batch):
-    return dict(model.init({"params": rng}, batch["image"], train=False))
+    variables = dict(model.init({"params": rng}, batch["image"], train=False))
+    if self.grid is not None:
+      variables["grid"] = self.grid.init(jax.random.fold_in(rng, 1))
+    return variables
 
   def load_pretrained(self, ctx, params):
     return finetune.restore_backbone(ctx, self.config, params)
 
   def loss_fn(self, model, params, model_state, batch, rng, train):
     del rng
+    if self.grid is not None:
+      return self.grid_loss(model, params, model_state, batch, train)
     variables = {"params": params, **model_state}
     targets = mixup_lib.smooth_labels(batch["label"], model.num_classes,
                                       self.config.get("label_smoothing", 0.0))
@@ -185,8 +262,25 @@ class LinearProbeTrainer(loop.Trainer):
       total = total + loss
     return total, (metrics, model_state)
 
+  def grid_loss(self, model, params, model_state, batch, train):
+    """The frozen pass, then every head of the grid: its loss and, in
+    training, its optimizer step (probe_grid.py's design note)."""
+    inputs = model.apply({"params": params}, batch["image"])
+    targets = mixup_lib.smooth_labels(batch["label"], self.grid.head.num_classes,
+                                      self.config.get("label_smoothing", 0.0))
+    total, losses, grid_state, grad_norm = probe_grid.loss_and_step(
+        self.grid, model_state["grid"], inputs, targets, train)
+    metrics = {f"loss_{n}": jnp.sum(v) for n, v in losses.items()}
+    if grad_norm is not None:
+      metrics["head_grad_norm"] = grad_norm
+    return total, (metrics, {**model_state, "grid": grid_state})
+
   def eval_fn(self, model, params, model_state, batch, rng):
     del rng
+    if self.grid is not None:
+      inputs = model.apply({"params": params}, batch["image"])
+      return probe_grid.correct(self.grid, model_state["grid"], inputs, batch["label"],
+                                self.head_names)
     logits = model.apply({"params": params, **model_state}, batch["image"], train=False)
     labels = batch["label"]
     out = {f"accuracy_{k}": (jnp.argmax(v, -1) == labels).astype(jnp.float32)
@@ -197,22 +291,69 @@ class LinearProbeTrainer(loop.Trainer):
         logits[last], jax.nn.one_hot(labels, model.num_classes))
     return out
 
-  def final_scores(self, ctx, model, state) -> dict:
-    """``eval_fn``'s metrics over the eval split, for the reports ``finalize``
-    writes: the loop's own eval step (its uint8 -> float input conversion
-    included), not a second copy of it."""
+  def final_scores(self, ctx, model, state, source=None) -> dict:
+    """``eval_fn``'s metrics over ``source`` (default: the eval split), for the
+    reports ``finalize`` writes: the loop's own eval step (its uint8 -> float
+    input conversion included), not a second copy of it."""
     eval_step = jax.jit(loop.make_eval_step(self, model, jax.random.PRNGKey(0), ctx.mesh))
-    return loop.evaluate(self, model, state, ctx.eval_source, eval_step,
+    return loop.evaluate(self, model, state, source or ctx.eval_source, eval_step,
                          sharding_lib.batch_sharding(ctx.mesh), self.config)
+
+  def grid_scores(self, ctx, model, state) -> tuple[dict, dict]:
+    """``(eval split, held-out rows)`` accuracies of every head ({} without
+    a held-out part)."""
+    held = {} if self.held_out is None else self.final_scores(ctx, model, state,
+                                                              self.held_out)
+    return self.final_scores(ctx, model, state), held
 
   def finalize(self, ctx, model, state):
     """Evaluates every probe once more and writes the per-layer report and plot."""
+    if self.grid is not None:
+      return self.finalize_grid(ctx, model, state)
     scores = self.final_scores(ctx, model, state)
     names = block_names(model.backbone.depth)
     report = probe_report({k: scores[f"accuracy_{k}"] for k in names})
+    self.write_report(ctx, state, report, {})
+
+  def finalize_grid(self, ctx, model, state):
+    """The grid's report: per block the setting of the best held-out accuracy,
+    its eval-split accuracy, and every candidate's two accuracies."""
+    test, held = self.grid_scores(ctx, model, state)
+    names = block_names(model.backbone.depth)
+    rows = []
+    for s in self.grid.settings:
+      for pooling in self.config.probe.poolings:
+        for block in names:
+          key = f"grid_accuracy_{block}_{pooling}_{s.name}"
+          rows.append({"block": block, "pooling": pooling, "learning_rate": s.learning_rate,
+                       "weight_decay": s.weight_decay, "setting": f"{pooling}_{s.name}",
+                       "holdout_accuracy": held.get(key), "accuracy": test[key]})
+    chosen = probe_grid.choose(rows, "block")
+    report = probe_report({k: chosen[k]["accuracy"] for k in names},
+                          {k: chosen[k]["holdout_accuracy"] for k in names} if held else None)
+    report.update(selection="holdout" if held else "single setting",
+                  holdout_size=0 if self.held_out is None else self.held_out.num_examples,
+                  chosen=chosen, grid=rows)
+    scalars = {}
+    poolings = list(self.config.probe.poolings)
+    for k in names:
+      row = chosen[k]
+      scalars.update({f"val_accuracy_{k}": row["accuracy"],
+                      f"val_chosen_learning_rate_{k}": row["learning_rate"],
+                      f"val_chosen_weight_decay_{k}": row["weight_decay"],
+                      f"val_chosen_pooling_{k}": poolings.index(row["pooling"])})
+      if held:
+        scalars[f"val_holdout_accuracy_{k}"] = row["holdout_accuracy"]
+    scalars["val_accuracy"] = chosen[names[-1]]["accuracy"]
+    scalars.update({f"val_{k}": v for k, v in test.items()})
+    scalars.update({f"val_holdout_{k}": v for k, v in held.items()})
+    self.write_report(ctx, state, report, scalars)
+
+  def write_report(self, ctx, state, report: dict, scalars: dict):
+    """probe_accuracy.json / .png in the workdir and the final metrics."""
     step = int(jax.device_get(state["step"]))
     report["step"] = step
-    ctx.writer.write_scalars(step, {"val_best_accuracy": report["best_accuracy"],
+    ctx.writer.write_scalars(step, {**scalars, "val_best_accuracy": report["best_accuracy"],
                                     "val_best_block": report["best_block_index"]})
     logging.info("linear probe: best %s (depth %.2f) %.4f", report["best_block"],
                  report["best_depth"], report["best_accuracy"])
@@ -221,16 +362,21 @@ class LinearProbeTrainer(loop.Trainer):
       plot_probe_accuracy(report, str(ctx.workdir / "probe_accuracy.png"))
 
 
-def probe_report(accuracy: dict[str, float]) -> dict:
-  """``{block_XX: acc}`` -> report with normalised depths and the best block."""
+def probe_report(accuracy: dict[str, float], holdout: dict[str, float] | None = None) -> dict:
+  """``{block_XX: acc}`` -> report with normalised depths and the best block:
+  the block of the best ``holdout`` accuracy where given (a grid's
+  selection), else of the best ``accuracy``."""
   names = sorted(accuracy)
   depth = len(names)
   accs = [float(accuracy[k]) for k in names]
-  best = int(np.argmax(accs))
-  return {"blocks": names, "accuracy": accs,
-          "normalized_depth": [(i + 1) / depth for i in range(depth)],
-          "best_block": names[best], "best_block_index": best,
-          "best_depth": (best + 1) / depth, "best_accuracy": accs[best]}
+  best = int(np.argmax([holdout[k] for k in names] if holdout else accs))
+  report = {"blocks": names, "accuracy": accs,
+            "normalized_depth": [(i + 1) / depth for i in range(depth)],
+            "best_block": names[best], "best_block_index": best,
+            "best_depth": (best + 1) / depth, "best_accuracy": accs[best]}
+  if holdout:
+    report["holdout_accuracy"] = [float(holdout[k]) for k in names]
+  return report
 
 
 def plot_probe_accuracy(report: dict, path: str) -> None:
@@ -239,7 +385,17 @@ def plot_probe_accuracy(report: dict, path: str) -> None:
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   fig, ax = plt.subplots(figsize=(4.5, 3.2), dpi=120)
-  ax.plot(report["normalized_depth"], [100 * a for a in report["accuracy"]], "o-")
+  depth = dict(zip(report["blocks"], report["normalized_depth"]))
+  for setting in sorted({row["setting"] for row in report.get("grid", ())}):
+    rows = [r for r in report["grid"] if r["setting"] == setting]   # every candidate, faint
+    ax.plot([depth[r["block"]] for r in rows], [100 * r["accuracy"] for r in rows],
+            "-", color="0.75", lw=0.8)
+  ax.plot(report["normalized_depth"], [100 * a for a in report["accuracy"]], "o-",
+          label="chosen on held-out rows" if "holdout_accuracy" in report else None)
+  if "holdout_accuracy" in report:
+    ax.plot(report["normalized_depth"], [100 * a for a in report["holdout_accuracy"]],
+            "x--", color="C1", label="its held-out accuracy")
+    ax.legend(fontsize=7)
   ax.set_xlabel("normalised depth (block / depth)")
   ax.set_ylabel("linear probe top-1 (%)")
   ax.set_xlim(0, 1.02)
