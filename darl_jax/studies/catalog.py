@@ -44,6 +44,40 @@ def attentive_probe(scale: S.Scale, parent: S.Stage | None, seed: int,
                  scale.probe_overrides, {"probe.blocks": blocks, "seed": seed}, parent=parent)
 
 
+# The probe grids (train/probe_grid.py) per scale: (linear, attentive)
+# overrides, chosen on held-out training rows. Learning rates are spaced by 2
+# (linear, LARS: around the scale's single rate, 6.4 or 32) and by ~3
+# (attentive, AdamW: around 1e-3), as DINOv2's and l3m's grids are. Scales
+# without one (imagenet: TFDS sources have no held-out part yet) run the
+# single-setting probes only.
+PROBE_GRIDS = {
+    "tiny": ({"probe.learning_rates": (3.2, 6.4), "probe.poolings": ("mean", "last")},
+             {"probe.learning_rates": (1e-3, 3e-3)}),
+    "fmnist": ({"probe.learning_rates": (0.8, 1.6, 3.2, 6.4, 12.8, 25.6),
+                "probe.poolings": ("mean", "last")},
+               {"probe.learning_rates": (3e-4, 1e-3, 3e-3),
+                "probe.weight_decays": (0.05, 0.3)}),
+    "fmnist_long": ({"probe.learning_rates": (4.0, 8.0, 16.0, 32.0, 64.0, 128.0),
+                     "probe.poolings": ("mean", "last")},
+                    {"probe.learning_rates": (3e-4, 1e-3, 3e-3),
+                     "probe.weight_decays": (0.05, 0.3)}),
+}
+
+
+def probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int) -> S.Stage:
+  """The scale's linear probe grid on every block (``PROBE_GRIDS``)."""
+  return S.stage("probe", scale.probe, scale.common, scale.probe_overrides,
+                 scale.linear_probe_overrides, PROBE_GRIDS[scale.name][0], {"seed": seed},
+                 parent=parent)
+
+
+def attentive_probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int,
+                         blocks: tuple) -> S.Stage:
+  return S.stage("attentive_probe", scale.attentive_probe, scale.common,
+                 scale.probe_overrides, PROBE_GRIDS[scale.name][1],
+                 {"probe.blocks": blocks, "seed": seed}, parent=parent)
+
+
 def supervised(scale: S.Scale, seed: int, *arch: dict) -> S.Stage:
   """The same ViT from scratch (supervised recipe) at the fine-tuning budget."""
   return S.stage("supervised", scale.supervised, scale.common, scale.downstream,
@@ -436,6 +470,20 @@ def downstream(scale: S.Scale, seeds: int) -> S.Study:
       runs.append(S.Run({"init": "random", "protocol": f"attentive probe {_blocks(multi)}",
                          "family": "attentive", "seed": seed},
                         (attentive_probe(scale, None, seed, multi),)))
+    if scale.name in PROBE_GRIDS:
+      # Every model at its best probe setting (chosen on held-out rows),
+      # beside the single-setting probes above.
+      for init, objective in (("DARL diffusion", "diffusion"), ("DARL mse", "mse"),
+                              ("random", None)):
+        pre = pretrain(scale, objective, seed) if objective else None
+        head = (pre,) if pre else ()
+        runs.append(S.Run({"init": init, "protocol": "linear probe grid",
+                           "family": "linear grid", "seed": seed},
+                          head + (probe_grid(scale, pre, seed),)))
+        if scale.attentive_probe:
+          runs.append(S.Run({"init": init, "protocol": f"attentive probe {_blocks(multi)} grid",
+                             "family": "attentive grid", "seed": seed},
+                            head + (attentive_probe_grid(scale, pre, seed, multi),)))
     runs.append(S.Run({"init": "scratch (supervised)", "protocol": "fine-tune budget",
                        "family": "tuned", "seed": seed}, (supervised(scale, seed, ft_budget),)))
     if both:
@@ -464,6 +512,11 @@ beyond the paper.""",
                       ("last/best_block_accuracy",), where={"family": "linear"}),
               R.Table("Attentive probe", ("init",), "protocol", (ACC,),
                       where={"family": "attentive"}),
+              R.Table("Linear probe grid: best block, each block at its held-out "
+                      "choice", ("init",), None, ("last/best_block_accuracy",),
+                      where={"family": "linear grid"}),
+              R.Table("Attentive probe grid: the held-out choice", ("init",), "protocol",
+                      (ACC,), where={"family": "attentive grid"}),
               R.Table("Pretraining validation loss", ("init",), None, ("pretrain/val_loss",),
                       where={"family": "linear", "protocol": "linear probe"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
@@ -485,7 +538,14 @@ beyond the paper.""",
           *((R.Comparison(f"attentive probe {_blocks((depth - 1,))}: DARL diffusion against "
                           "DARL MSE", {"init": "DARL diffusion"}, {"init": "DARL mse"},
                           where={"protocol": f"attentive probe {_blocks((depth - 1,))}"}),)
-            if scale.attentive_probe else ())))
+            if scale.attentive_probe else ()),
+          *((R.Comparison("linear probe grid, best block: DARL diffusion against DARL MSE",
+                          {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                          "last/best_block_accuracy", where={"family": "linear grid"}),
+             R.Comparison("linear probe grid, best block: DARL diffusion against a random "
+                          "backbone", {"init": "DARL diffusion"}, {"init": "random"},
+                          "last/best_block_accuracy", where={"family": "linear grid"}))
+            if scale.name in PROBE_GRIDS else ())))
 
 
 PAPER_AUGMENTATION = {"data.augment": "spatial", "data.crop_scale": (0.2, 1.0),
