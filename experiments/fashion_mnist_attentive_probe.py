@@ -16,6 +16,10 @@ without affine and a linear classifier; AdamW at 1e-3 (batch 256, no lr
 scaling), weight decay 0.05, 10% warm-up then cosine, label smoothing 0.1,
 no augmentation. attentive_probe.json in the workdir.
 
+A grid of settings in the same frozen pass, chosen on held-out training
+rows: ``--config.probe.learning_rates=...`` (and ``weight_decays``),
+docs/PROBES.md.
+
 Expect: on the fmnist_long study scale's model (width 256, 6 blocks, 40
 epochs of diffusion pretraining; docs/STUDIES.md), 10 epochs of this recipe
 give 90.7 +- 0.2 % (block 5, 3 seeds) against 87.9 +- 0.3 % for the best

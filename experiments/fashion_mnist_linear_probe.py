@@ -12,6 +12,10 @@ weight decay), label smoothing 0.1, 10% warm-up then cosine, no
 augmentation (28x28 crops would dominate a 300-step run). One probe per
 block; probe_accuracy.json / .png in the workdir.
 
+A grid of settings in the same frozen pass, chosen on held-out training
+rows: ``--config.probe.learning_rates=...`` (and ``weight_decays``, ``poolings``),
+docs/PROBES.md.
+
 Learning rate: the paper's peak rate, 0.1 x 16384 / 256 = 6.4, kept at
 batch 256 rather than rescaled to 0.1: LARS moves a weight matrix by at most
 lr x 1e-3 of its norm per step, and a 300-step run needs the full rate (see
