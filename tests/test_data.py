@@ -14,11 +14,11 @@ from PIL import Image
 
 from darl_jax.data import augment as aug
 from darl_jax.data import build_source
-from darl_jax.data import fashion_mnist
+from darl_jax.data import fashion_mnist_idx
 from idx_files import write_idx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBIAN_DIR = fashion_mnist.DEFAULT_PATH
+DEBIAN_DIR = fashion_mnist_idx.DEFAULT_PATH
 HAVE_DEBIAN = os.path.isfile(
     os.path.join(DEBIAN_DIR, "train-images-idx3-ubyte.gz"))
 FAKE_TRAIN, FAKE_TEST, FAKE_VAL = 300, 100, 50
@@ -142,7 +142,7 @@ def test_read_idx_rejects_garbage(tmp_path):
   with gzip.open(bad, "wb") as f:
     f.write(b"\x01\x02\x03\x04garbage")
   with pytest.raises(ValueError, match="magic"):
-    fashion_mnist.read_idx(str(bad))
+    fashion_mnist_idx.read_idx(str(bad))
 
 
 @pytest.mark.skipif(not HAVE_DEBIAN, reason="dataset-fashion-mnist missing")

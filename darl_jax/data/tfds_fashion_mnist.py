@@ -10,9 +10,11 @@ at preparation is disabled, so the prepared splits keep the IDX file order and
 The builder config name is derived from the absolute source directory, so
 two source directories never share (or silently reuse) prepared files.
 
-Importing this module imports TensorFlow (Datasets); `fashion_mnist.py`
-imports it only for backend="tfds". Prepare once per data_dir (e.g. on the
-first process, or ahead of time) when several processes share a filesystem.
+It reads the files and splits of `fashion_mnist_idx.py`, as the numpy
+backend does. Importing this module imports TensorFlow (Datasets);
+`fashion_mnist.py` imports it only for backend="tfds". Prepare once per
+data_dir (e.g. on the first process, or ahead of time) when several processes
+share a filesystem.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import hashlib
 import os
 from typing import Any
 
-from darl_jax.data import fashion_mnist
+from darl_jax.data import fashion_mnist_idx as idx
 from darl_jax.data.base import cfg_get
 from darl_jax.data.tfds_source import TfdsSource, default_data_dir, import_tf
 
@@ -43,7 +45,7 @@ class DebianFashionMnist(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "Reads Debian's dataset-fashion-mnist files."}
 
-  def __init__(self, *, source_dir: str = fashion_mnist.DEFAULT_PATH,
+  def __init__(self, *, source_dir: str = idx.DEFAULT_PATH,
                **kwargs):
     self._source_dir = os.path.abspath(source_dir)
     kwargs.setdefault("config", source_config(self._source_dir))
@@ -55,7 +57,7 @@ class DebianFashionMnist(tfds.core.GeneratorBasedBuilder):
         features=tfds.features.FeaturesDict({
             "image": tfds.features.Image(shape=(28, 28, 1)),
             "label": tfds.features.ClassLabel(
-                names=list(fashion_mnist.CLASS_NAMES)),
+                names=list(idx.CLASS_NAMES)),
         }),
         supervised_keys=("image", "label"),
         # Keep file order (examples are written sorted by their int key).
@@ -67,7 +69,7 @@ class DebianFashionMnist(tfds.core.GeneratorBasedBuilder):
     return {part: self._generate_examples(part) for part in ("train", "test")}
 
   def _generate_examples(self, part: str):
-    images, labels = fashion_mnist.load_part(self._source_dir, part)
+    images, labels = idx.load_part(self._source_dir, part)
     for i in range(len(images)):
       yield i, {"image": images[i], "label": int(labels[i])}
 
@@ -86,7 +88,7 @@ def build(config: Any, *, split: str, seed: int, source_dir: str,
   data_dir = cfg_get(config, "tfds_data_dir", None) or default_data_dir()
   builder = prepared_builder(source_dir, data_dir)
   num_train = builder.info.splits["train"].num_examples
-  fashion_mnist.split_range(split, num_train, val_split_size)  # validates
+  idx.split_range(split, num_train, val_split_size)  # validates
   config_view = _Overrides(config, val_split_size=val_split_size,
                            image_size=cfg_get(config, "image_size", 28),
                            channels=cfg_get(config, "channels", 1),
