@@ -18,16 +18,21 @@ darl_jax/kernels, as the current ``Kernels`` choice says:
 
 Invariants: every implementation computes the same function from the same
 parameters (tests compare them); a kernel that does not take a shape (its
-``fits`` check, made on one device's rows: kernels/per_shard.py) falls back
-to XLA's op silently, while a kernel asked for on a device it cannot run on
-is an error naming the fix. Off the GPU the kernels run in Pallas's
-interpreter (tests).
+``fits`` check, made on one device's rows: kernels/per_shard.py, the batch
+split over ``BATCH_AXES``) falls back to XLA's op silently, while a kernel
+asked for on a device it cannot run on is an error naming the fix. Off the
+GPU the kernels run in Pallas's interpreter (tests).
 
 The choice is process-wide: the loop sets it once from ``config.kernels``
 (``configure``) before anything is traced; tests use ``using``. The default,
 before any ``configure``, is XLA everywhere. It is read while tracing and is
 not part of jit's cache key: a jitted function keeps the choice it was first
 traced under, so code that switches choices builds new functions.
+
+Imports run one way: models call these ops, these call the kernels, and
+neither this module nor the kernels import the model (``block_stack`` is
+handed the model's block code instead). The Pallas kernel modules are
+imported where first used: a run on XLA's ops never loads them.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from darl_jax.kernels import per_shard
 from darl_jax.kernels import rope as rope_lib
+from darl_jax.mesh_axes import BATCH_AXES
 
 LN_EPS = 1e-6
 CHOICES = {"attention": ("auto", "xla", "cudnn", "hopper"),
@@ -158,11 +165,11 @@ def layer_norm(x, scale, bias, *, dtype):
   """LayerNorm over the last axis (epsilon ``LN_EPS``, statistics in
   float32, output in ``dtype``): Flax's ``nn.LayerNorm`` function."""
   if _current.norm == "triton":
-    from darl_jax.kernels import layer_norm as ln, per_shard
+    from darl_jax.kernels import layer_norm as ln
     _require_norm_device()
     y = per_shard.over_batch(
         lambda x, s, b: ln.layer_norm(x, s, b, LN_EPS, ln.blocks_for(x.shape[-1]), _interpret()),
-        x, scale, bias, batched=(True, False, False))
+        x, scale, bias, batched=(True, False, False), axes=BATCH_AXES)
     return y.astype(dtype)
   x32 = x.astype(jnp.float32)
   mean = x32.mean(-1, keepdims=True)
@@ -219,12 +226,12 @@ def _hopper_mlp_fits(x, hidden: int, dtype) -> bool:
   """Whether the Hopper MLP kernels run on ``x``: errors naming the fix for
   a wrong dtype or device; False for shapes their tiles do not take
   (initialisation on one example, a last partial batch)."""
-  from darl_jax.kernels import hopper_mlp, per_shard
+  from darl_jax.kernels import hopper_mlp
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError("kernels.mlp='hopper' runs in bfloat16; set model.dtype='bfloat16' "
                      "or kernels.mlp='xla'")
   _require_hopper("mlp", "xla")
-  x = per_shard.local(x)
+  x = per_shard.local(x, BATCH_AXES)
   if x is None:
     return False
   try:
@@ -239,12 +246,12 @@ def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
   """The Transformer MLP, ``fc2(gelu(fc1(x)))``; fc2's bias is added only if
   ``fc2_bias`` is given (the fused stack adds it in the next norm's kernel)."""
   if _current.mlp == "hopper" and _hopper_mlp_fits(x, fc1_kernel.shape[-1], dtype):
-    from darl_jax.kernels import hopper_mlp, per_shard
+    from darl_jax.kernels import hopper_mlp
     return per_shard.over_batch(
         lambda x, w1, b1, w2, b2: hopper_mlp.mlp(x, w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
                                                  _interpret()),
         x.astype(dtype), fc1_kernel, fc1_bias, fc2_kernel, fc2_bias,
-        batched=(True, False, False, False, False))
+        batched=(True, False, False, False, False), axes=BATCH_AXES)
   h = gelu(dense(x, fc1_kernel, fc1_bias, dtype=dtype))
   return dense(h, fc2_kernel, fc2_bias, dtype=dtype)
 
@@ -271,11 +278,11 @@ def attention(q, k, v, *, causal: bool, mask=None, kernels: bool = True):
     return _short_attention(q, k, v, causal=causal, mask=mask)
   if impl == "hopper":
     if causal and mask is None and _hopper_attention_fits(q, k, v):
-      from darl_jax.kernels import hopper_attention, per_shard
+      from darl_jax.kernels import hopper_attention
       return per_shard.over_batch(
           lambda q, k, v: hopper_attention.causal_attention(
               q, k, v, hopper_attention.DEFAULT_ATTENTION_TILING, _interpret()),
-          q, k, v, batched=(True, True, True))
+          q, k, v, batched=(True, True, True), axes=BATCH_AXES)
     impl = "auto"
   if impl == "auto":
     impl = "cudnn" if _cudnn_takes(q, k) else "xla"
@@ -291,9 +298,9 @@ def _cudnn_takes(q, k) -> bool:
 
 
 def _hopper_attention_fits(q, k, v) -> bool:
-  from darl_jax.kernels import hopper_attention, per_shard
+  from darl_jax.kernels import hopper_attention
   _require_hopper("attention", "cudnn")
-  q, k, v = (per_shard.local(x) for x in (q, k, v))
+  q, k, v = (per_shard.local(x, BATCH_AXES) for x in (q, k, v))
   return q is not None and hopper_attention.fits(q, k, v)
 
 
@@ -358,35 +365,35 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
   """The Hopper path of ``self_attention``, or None where its kernels do
   not take the inputs (per-image RoPE tables, shapes their tiles do not
   divide), for the general path."""
-  from darl_jax.kernels import hopper_attention, per_shard
+  from darl_jax.kernels import hopper_attention
   _require_hopper("attention", "cudnn")
   tables = None if rope is None or rope[0].shape[0] != 1 else tuple(t[0] for t in rope)
   if rope is not None and tables is None:
     return None
   x, kernel, bias = x.astype(dtype), kernel.astype(dtype), bias.astype(dtype)
   tiling = hopper_attention.DEFAULT_ATTENTION_TILING
-  local = per_shard.local(x)
+  local = per_shard.local(x, BATCH_AXES)
   if (tables is not None and local is not None
       and hopper_attention.fits_projected(local, kernel, bias, tables)):
     return per_shard.over_batch(
         lambda x, kernel, bias, tables: hopper_attention.causal_attention_projected(
             x, kernel, bias, tables, tiling, _interpret()),
-        x, kernel, bias, tables, batched=(True, False, False, False))
+        x, kernel, bias, tables, batched=(True, False, False, False), axes=BATCH_AXES)
   product = dense(x, kernel, dtype=dtype)
-  local = per_shard.local(product)
+  local = per_shard.local(product, BATCH_AXES)
   if local is None or not hopper_attention.fits_qkv(local, bias, tables):
     return None
   return per_shard.over_batch(
       lambda product, bias, tables: hopper_attention.causal_attention_qkv(
           product, bias, tables, tiling, _interpret()),
-      product, bias, tables, batched=(True, False, False))
+      product, bias, tables, batched=(True, False, False), axes=BATCH_AXES)
 
 
 # ------------------------------------------------------------------ block stacks
 
 
 def block_stack(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool,
-                dtype, scanned: bool):
+                dtype, scanned: bool, block_code: tuple):
   """A backbone's stack of pre-LN blocks and its final norm run as one unit
   on its parameter tree (``block_XX`` or scanned ``blocks/block``, and
   ``norm``), or None when the plain blocks should run: with ``norm=triton``,
@@ -395,33 +402,37 @@ def block_stack(params, x, rope, mask=None, *, depth: int, num_heads: int, causa
   ``{"features", "block_XX"}`` as the backbone does.
 
   The fused stack re-implements the block, so it runs only while the
-  model's block code is the one it was written for (``block_digest``);
-  after an edit to the block, the plain blocks run, with one warning."""
+  model's block code (``block_code``: the classes and functions the
+  model's stack runs, models/vit.py's ``FUSED_BLOCK_CODE``) is the code it
+  was written for (``block_digest``); after an edit to them, the plain
+  blocks run, with one warning. The model hands its code in so that this
+  module never imports the model."""
   if _current.norm != "triton":
     return None
   _require_norm_device()
   from darl_jax.kernels import fused_stack
-  if block_digest() != fused_stack.WRITTEN_FOR:
-    _warn_once("the model's block code (models/vit.py Block, models/attention.py Attention, "
-               "models/layers.py) differs from the block that kernels/fused_stack.py "
-               "implements: running the plain blocks. Port the change to fused_stack.py "
-               "and set its WRITTEN_FOR to ops.block_digest() to fuse again.")
+  digest = block_digest(block_code)
+  if digest != fused_stack.WRITTEN_FOR:
+    names = ", ".join(f"{code.__module__}.{code.__qualname__}" for code in block_code)
+    _warn_once(f"the model's block code ({names}) differs from the block that "
+               "kernels/fused_stack.py implements: running the plain blocks. Port the change "
+               f"to fused_stack.py and set its WRITTEN_FOR to {digest!r} to fuse again.")
     return None
+  stack_ops = fused_stack.StackOps(self_attention=self_attention, dense=dense, mlp=mlp,
+                                   eps=LN_EPS, interpret=_interpret(), batch_axes=BATCH_AXES)
   return fused_stack.run(params, x, rope, mask, depth=depth, num_heads=num_heads,
-                         causal=causal, dtype=dtype, scanned=scanned)
+                         causal=causal, dtype=dtype, scanned=scanned, ops=stack_ops)
 
 
 @functools.lru_cache(maxsize=None)
-def block_digest() -> str:
-  """A digest of the code of the model's block, the layers it calls and
-  the backbone's stack: their source text without docstrings, comments and
-  layout (the same on every Python version)."""
+def block_digest(block_code: tuple) -> str:
+  """A digest of ``block_code`` (classes and functions: the model's block,
+  the layers it calls and the backbone's stack): their source text without
+  docstrings, comments and layout (the same on every Python version)."""
   import hashlib
   import inspect
-  from darl_jax.models import attention as attention_lib, layers, vit
   digest = hashlib.sha256()
-  for code in (vit.Block, vit.ViT.__call__, attention_lib.Attention, layers.DenseParams,
-               layers.LayerNorm, layers.Mlp, layers.DropPath):
+  for code in block_code:
     digest.update(_code_text(inspect.getsource(code)).encode())
   return digest.hexdigest()[:16]
 

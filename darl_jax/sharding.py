@@ -54,11 +54,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from darl_jax import ops
-
-MESH_AXES = ("data", "fsdp", "tensor")
-# The axes the batch is split over (batch_sharding; the Pallas kernels'
-# per-device split, kernels/per_shard.py).
-BATCH_AXES = ("data", "fsdp")
+from darl_jax.mesh_axes import BATCH_AXES, MESH_AXES   # data, fsdp (the batch's), tensor
 
 
 @dataclasses.dataclass(frozen=True)

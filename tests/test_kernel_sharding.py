@@ -25,26 +25,30 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from darl_jax.kernels import per_shard  # noqa: E402
+from darl_jax.mesh_axes import BATCH_AXES  # noqa: E402
 from xla_env import cpu_devices_flags  # noqa: E402
 
 
 def test_without_a_mesh_the_function_runs_as_it_is():
-  assert per_shard.batch_shards() == 1
+  assert per_shard.batch_shards(BATCH_AXES) == 1
   x = jnp.ones((3, 5))
-  assert per_shard.local(x) is x
-  out = per_shard.over_batch(lambda a, b: a * b, x, 2.0, batched=(True, False))
+  assert per_shard.local(x, BATCH_AXES) is x
+  out = per_shard.over_batch(lambda a, b: a * b, x, 2.0, batched=(True, False), axes=BATCH_AXES)
   np.testing.assert_array_equal(out, 2 * x)
   with pytest.raises(ValueError, match="batched has 1 entries for 2 arguments"):
-    per_shard.over_batch(lambda a, b: a, x, x, batched=(True,))
+    per_shard.over_batch(lambda a, b: a, x, x, batched=(True,), axes=BATCH_AXES)
 
 
 def test_local_shapes_on_an_abstract_mesh():
   mesh = jax.sharding.AbstractMesh((2, 3, 2), ("data", "fsdp", "tensor"))
   with jax.sharding.use_abstract_mesh(mesh):
-    assert per_shard.batch_shards() == 6
-    local = per_shard.local(jax.ShapeDtypeStruct((12, 7), jnp.bfloat16))
+    assert per_shard.batch_shards(BATCH_AXES) == 6
+    local = per_shard.local(jax.ShapeDtypeStruct((12, 7), jnp.bfloat16), BATCH_AXES)
     assert (local.shape, local.dtype) == ((2, 7), jnp.bfloat16)
-    assert per_shard.local(jnp.zeros((8, 7))) is None   # 8 rows do not split 6 ways
+    assert per_shard.local(jnp.zeros((8, 7)), BATCH_AXES) is None   # 8 rows do not split 6 ways
+    # the axes are the caller's: over data alone, 12 rows are 6 a device
+    assert per_shard.batch_shards(("data",)) == 2
+    assert per_shard.local(jnp.zeros((12, 7)), ("data",)).shape == (6, 7)
 
 
 ALL_KERNELS = dict(attention="hopper", mlp="hopper", norm="triton")
@@ -103,7 +107,8 @@ def _check_arguments(mesh):
 
   x = jax.device_put(jnp.arange(12.0).reshape(4, 3), sharding_lib.batch_sharding(mesh))
   step = loop.on_mesh(lambda x, t: per_shard.over_batch(fn, x, None, t,
-                                                        batched=(True, False, False)), mesh)
+                                                        batched=(True, False, False),
+                                                        axes=BATCH_AXES), mesh)
   out = jax.jit(step)(x, (jnp.full((1,), 2.0), jnp.full((1,), 1.0)))
   np.testing.assert_array_equal(out[0], 2 * np.arange(12.0).reshape(4, 3))
   np.testing.assert_array_equal(out[1], np.arange(12.0).reshape(4, 3) + 1)

@@ -133,7 +133,8 @@ def test_the_fused_stack_is_written_for_the_models_block():
   layers or the backbone's stack changed: port the change to
   fused_stack.py (test_the_fused_stack_is_the_plain_blocks checks it), then
   set its WRITTEN_FOR to the digest below."""
-  assert fused_stack.WRITTEN_FOR == ops.block_digest(), ops.block_digest()
+  digest = ops.block_digest(vit.FUSED_BLOCK_CODE)
+  assert fused_stack.WRITTEN_FOR == digest, digest
 
 
 def test_an_edited_block_runs_the_plain_blocks(monkeypatch):
@@ -150,7 +151,8 @@ def test_an_edited_block_runs_the_plain_blocks(monkeypatch):
   with ops.using(norm="triton"):
     jaxpr = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, *args))(params))
   assert "layer_norm_fwd" in jaxpr and "add_bias_layer_norm_fwd" not in jaxpr
-  assert warnings and "fused_stack.py" in warnings[0]
+  assert warnings and "fused_stack.py" in warnings[0] and "models.vit.Block" in warnings[0]
+  assert repr(ops.block_digest(vit.FUSED_BLOCK_CODE)) in warnings[0]   # the value to set
 
 
 def test_the_block_digest_reads_code_not_docstrings_or_comments():

@@ -20,48 +20,68 @@ So a block hands on ``(x, branch)`` un-added, and the stack keeps that pair
 as its carry (a scan starts from a zero branch: ``x + (0 + 0)`` is ``x``).
 The per-block outputs ``x + branch`` are computed for the probes; XLA drops
 them where unused. Chosen by ``ops.block_stack`` as a unit (``kernels.norm
-= 'triton'``) for stacks without drop path or remat; the MLP and attention
-inside run whatever ``ops`` chose for them.
+= 'triton'``) for stacks without drop path or remat.
+
+The attention and MLP inside run whatever darl_jax/ops.py chose for them:
+ops.block_stack hands its own ops in (``StackOps``), so this module, like
+every kernel, imports nothing of the package above kernels/.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-from darl_jax import ops
 from darl_jax.kernels import layer_norm as ln
 from darl_jax.kernels import per_shard
 
-# ops.block_digest() of the model block this file implements: when the
-# block's code changes, ops.block_stack runs the plain blocks instead (and
-# says so) until the change is ported here and this is updated.
-WRITTEN_FOR = "2d887c6b06b97eb9"
+# ops.block_digest(vit.FUSED_BLOCK_CODE), the digest of the model code this
+# file implements (models/vit.py): when that code changes, ops.block_stack
+# runs the plain blocks instead (and says so) until the change is ported
+# here and this is updated.
+WRITTEN_FOR = "3075aab169fb4867"
 
 
-def _norm(p, x, add=None, keep_input: bool = True):
+@dataclasses.dataclass(frozen=True)
+class StackOps:
+  """What the stack takes from its caller, ops.block_stack: the branches'
+  ops (darl_jax/ops.py's ``self_attention``, ``dense`` and ``mlp``, which
+  run the kernels chosen for them) and the norms' settings."""
+  self_attention: Callable
+  dense: Callable
+  mlp: Callable
+  eps: float                     # the LayerNorm epsilon (ops.LN_EPS)
+  interpret: bool                # Pallas's interpreter (off the GPU)
+  batch_axes: tuple[str, ...]    # the mesh axes the batch is split over (per_shard)
+
+
+def _norm(p, x, add, ops: StackOps, keep_input: bool = True):
   """``(s, LN(s))`` for ``s = x + add`` (``add``: None, an array, or a
   ``(product, bias)`` pair) in one kernel; only ``LN(s)`` when the sum is
   not used again (``keep_input=False``)."""
   scale, bias = p["scale"], p["bias"]
   blocks = ln.blocks_for(x.shape[-1])
-  interpret = ops._interpret()
+  eps, interpret, axes = ops.eps, ops.interpret, ops.batch_axes
   if isinstance(add, tuple):
     product, add_bias = add
     s, y = per_shard.over_batch(
-        lambda x, a, ab, sc, b: ln.add_bias_layer_norm(x, a, ab, sc, b, ops.LN_EPS, blocks,
-                                                       interpret),
-        x, product, add_bias, scale, bias, batched=(True, True, False, False, False))
+        lambda x, a, ab, sc, b: ln.add_bias_layer_norm(x, a, ab, sc, b, eps, blocks, interpret),
+        x, product, add_bias, scale, bias, batched=(True, True, False, False, False), axes=axes)
   elif add is not None:
     s, y = per_shard.over_batch(
-        lambda x, a, sc, b: ln.add_layer_norm(x, a, sc, b, ops.LN_EPS, blocks, interpret),
-        x, add, scale, bias, batched=(True, True, False, False))
+        lambda x, a, sc, b: ln.add_layer_norm(x, a, sc, b, eps, blocks, interpret),
+        x, add, scale, bias, batched=(True, True, False, False), axes=axes)
   elif keep_input:
     s, y = per_shard.over_batch(
-        lambda x, sc, b: ln.residual_layer_norm(x, sc, b, ops.LN_EPS, blocks, interpret),
-        x, scale, bias, batched=(True, False, False))
-  else:   # the final norm: ops.layer_norm's kernel (norm='triton' while the stack runs)
-    s, y = x, ops.layer_norm(x, scale, bias, dtype=x.dtype)
+        lambda x, sc, b: ln.residual_layer_norm(x, sc, b, eps, blocks, interpret),
+        x, scale, bias, batched=(True, False, False), axes=axes)
+  else:   # the final norm: the plain kernel, as ops.layer_norm runs it under norm='triton'
+    s, y = x, per_shard.over_batch(
+        lambda x, sc, b: ln.layer_norm(x, sc, b, eps, blocks, interpret),
+        x, scale, bias, batched=(True, False, False), axes=axes).astype(x.dtype)
   return s, y
 
 
@@ -72,33 +92,34 @@ def _value(branch):
   return product + bias.astype(product.dtype)
 
 
-def _block(p, x, branch, rope, mask, *, causal: bool, dtype):
+def _block(p, x, branch, rope, mask, *, causal: bool, dtype, ops: StackOps):
   """One block on ``x + branch``: returns ``(x + branch + attention branch,
   the MLP branch as (product, bias))``."""
-  x, y = _norm(p["norm1"], x, branch)
+  x, y = _norm(p["norm1"], x, branch, ops)
   attn = p["attn"]
   heads = ops.self_attention(y.astype(dtype), attn["qkv"]["kernel"], attn["qkv"]["bias"],
                              rope, causal=causal and mask is None, dtype=dtype, mask=mask)
   y = (ops.dense(heads, attn["out"]["kernel"], dtype=dtype, axes=2), attn["out"]["bias"])
-  x, y = _norm(p["norm2"], x, y)
+  x, y = _norm(p["norm2"], x, y, ops)
   m = p["mlp"]
   y = ops.mlp(y.astype(dtype), m["fc1"]["kernel"], m["fc1"]["bias"],
-                      m["fc2"]["kernel"], None, dtype=dtype)
+              m["fc2"]["kernel"], None, dtype=dtype)
   return x, (y, m["fc2"]["bias"])
 
 
 def run(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool, dtype,
-        scanned: bool):
+        scanned: bool, ops: StackOps):
   """``{"features": final LN output, "block_XX": block outputs}`` of the
   stack in ``params`` (a backbone's parameter tree) on tokens ``x``
-  (``mask``: the attention pattern, replacing causal or full)."""
+  (``mask``: the attention pattern, replacing causal or full), its
+  branches computed by ``ops``."""
   del num_heads   # read from the parameter shapes
   out = {}
   if scanned:
     zero = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], jnp.float32))
 
     def step(carry, p):
-      x, branch = _block(p, *carry, rope, mask, causal=causal, dtype=dtype)
+      x, branch = _block(p, *carry, rope, mask, causal=causal, dtype=dtype, ops=ops)
       return (x, branch), x + _value(branch)
 
     (x, branch), ys = jax.lax.scan(step, (x, zero), params["blocks"]["block"], length=depth)
@@ -108,8 +129,8 @@ def run(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool,
     branch = None
     for i in range(depth):
       x, branch = _block(params[f"block_{i:02d}"], x, branch, rope, mask, causal=causal,
-                         dtype=dtype)
+                         dtype=dtype, ops=ops)
       out[f"block_{i:02d}"] = x + _value(branch)
-  _, y = _norm(params["norm"], x, branch, keep_input=False)
+  _, y = _norm(params["norm"], x, branch, ops, keep_input=False)
   out["features"] = y.astype(dtype)
   return out

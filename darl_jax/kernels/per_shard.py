@@ -6,8 +6,7 @@ for Mosaic GPU or Triton calls), so under plain ``jit`` XLA's partitioner
 would run it on replicated operands: every device gathering the whole
 batch's activations and computing the layer for all of it. ``over_batch``
 instead runs the kernel's function under ``jax.shard_map`` over the mesh's
-batch axes (``data``, ``fsdp``; sharding.batch_sharding's split), so that a
-device's kernels see only its own images:
+batch axes, so that a device's kernels see only its own images:
 
 - the batched operands (activations, and their gradients) keep the batch
   split they already have: no collective moves them;
@@ -18,11 +17,14 @@ device's kernels see only its own images:
 
 The mesh comes from the trace's context: ``jax.sharding.use_abstract_mesh``,
 which the training loop and the evaluation step set (loop.make_train_step's
-``mesh``). Without one, or with a single device on the batch axes, the
-function runs as it is. A ``tensor`` axis of more than one device is not
-split: the kernels compute whole heads and whole MLP widths, so their
-parameters are gathered over it too and the tensor devices repeat the same
-work (sharding.kernel_mesh_warning says so).
+``mesh``). Which of its axes split the batch is the caller's to say
+(``axes``: darl_jax/ops.py passes mesh_axes.BATCH_AXES, the axes
+sharding.batch_sharding splits the batch over); this module imports nothing
+of the package above kernels/. Without a mesh, or with a single device on
+the batch axes, the function runs as it is. Any other axis of more than one
+device (``tensor``) is not split: the kernels compute whole heads and whole
+MLP widths, so their parameters are gathered over it too and its devices
+repeat the same work (sharding.kernel_mesh_warning says so).
 
 The kernels' shape checks (``fits``) must see the per-device shapes: use
 ``local`` on the batched operands before checking.
@@ -36,30 +38,29 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from darl_jax.sharding import BATCH_AXES
 
-
-def _batch_axes() -> tuple[str, ...]:
-  """The current mesh's batch axes (none without a mesh). Axes of one device
-  stay in: the spec must be the batch's own (sharding.batch_sharding's)."""
+def _batch_axes(axes: Sequence[str]) -> tuple[str, ...]:
+  """Those of ``axes`` on the current mesh (none without a mesh). Axes of
+  one device stay in: the spec must be the batch's own."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  return tuple(a for a in axes if a in mesh.axis_names)
 
 
-def batch_shards() -> int:
-  """How many pieces the batch is split into on the current mesh (1 without one)."""
+def batch_shards(axes: Sequence[str]) -> int:
+  """How many pieces the batch is split into over ``axes`` on the current
+  mesh (1 without one)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[a] for a in _batch_axes())
+  return math.prod(mesh.shape[a] for a in _batch_axes(axes))
 
 
-def local(x):
+def local(x, axes: Sequence[str]):
   """``x``'s per-device shape on the current mesh (leading, batch, axis
-  divided by the batch shards) as a ``jax.ShapeDtypeStruct``; ``x`` itself
-  without a mesh. None when the batch does not divide: then no kernel fits
-  and the caller takes XLA's path."""
-  shards = batch_shards()
+  divided by the shards of ``axes``) as a ``jax.ShapeDtypeStruct``; ``x``
+  itself without a mesh. None when the batch does not divide: then no
+  kernel fits and the caller takes XLA's path."""
+  shards = batch_shards(axes)
   if shards == 1:
     return x
   if x.shape[0] % shards:
@@ -67,8 +68,9 @@ def local(x):
   return jax.ShapeDtypeStruct((x.shape[0] // shards,) + tuple(x.shape[1:]), x.dtype)
 
 
-def over_batch(fn: Callable, *args, batched: Sequence[bool]):
-  """``fn(*args)``, each device on its own rows of the batch.
+def over_batch(fn: Callable, *args, batched: Sequence[bool], axes: Sequence[str]):
+  """``fn(*args)``, each device on its own rows of the batch, which is
+  split over the mesh axes ``axes``.
 
   ``batched[i]``: whether ``args[i]`` (an array, or a pytree of arrays) has
   the batch as its leading axis; the others (parameters, tables) are
@@ -76,9 +78,9 @@ def over_batch(fn: Callable, *args, batched: Sequence[bool]):
   settings go into ``fn`` (a closure), not ``args``."""
   if len(batched) != len(args):
     raise ValueError(f"batched has {len(batched)} entries for {len(args)} arguments")
-  if batch_shards() == 1:
+  if batch_shards(axes) == 1:
     return fn(*args)
-  spec = P(_batch_axes())
+  spec = P(_batch_axes(axes))
   # check_vma=False: the Pallas calls carry no varying-axes types to check.
   # The replicated inputs' gradients are still summed over the batch axes
   # (tests/test_kernel_sharding.py compares them with one device's).

@@ -216,7 +216,7 @@ class ViT(nn.Module):
       # (ops.block_stack): the same function as the blocks below.
       out = ops.block_stack(self.variables["params"], x, rope, mask, depth=self.depth,
                             num_heads=self.num_heads, causal=self.causal, dtype=self.dtype,
-                            scanned=self.scan_layers)
+                            scanned=self.scan_layers, block_code=FUSED_BLOCK_CODE)
       if out is not None:
         return out
     out = {}
@@ -236,6 +236,13 @@ class ViT(nn.Module):
         out[f"block_{i:02d}"] = x
     out["features"] = layers.LayerNorm(self.dtype, name="norm")(x)
     return out
+
+
+# The code that the fused stack (ops.block_stack, kernels/fused_stack.py)
+# re-implements. After an edit to any of it the plain blocks run, with a
+# warning, until the change is ported to the fused stack.
+FUSED_BLOCK_CODE = (Block, ViT.__call__, attention_lib.Attention, layers.DenseParams,
+                    layers.LayerNorm, layers.Mlp, layers.DropPath)
 
 
 def prefix_causal_mask(prefix, length: int):
