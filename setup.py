@@ -27,6 +27,9 @@ EXTRAS = {
     "tfds": ["tensorflow-cpu>=2.16,<2.22", "tensorflow-datasets>=4.9.6,<4.10",
              "tensorboard>=2.16", "importlib_resources>=6"],
     "test": ["pytest>=8", "pytest-xdist>=3.5", "scikit-learn>=1.3", "torch>=2.1"],
+    # libtpu for compiling ahead of time for TPU topologies on any host
+    # (python -m darl_jax.compile); on a TPU VM it is also the runtime.
+    "tpu": ["libtpu==0.0.42.1"],
     "launch": ["xmanager==0.8.5.post1"],  # exact: xm_launch sets its Vertex machine types
 }
 

@@ -25,26 +25,16 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 
 def trainers():
-  """name -> Trainer class of the shared loop (train/loop.py); each class owns
-  its loss (``loss_fn``). Imported here so a typo fails before any work."""
-  from darl_jax.train import pretrain
-  from darl_jax.train import attentive_probe, finetune, linear_probe, supervised
-  return {"pretrain": pretrain.PretrainTrainer,
-          "finetune": finetune.FinetuneTrainer,
-          "linear_probe": linear_probe.LinearProbeTrainer,
-          "attentive_probe": attentive_probe.AttentiveProbeTrainer,
-          "supervised": supervised.SupervisedTrainer}
-
-
-# Jobs with a driver of their own (nothing to train), dispatched by get_job.
-DRIVERS = ("sample", "fewshot")
+  """name -> Trainer class of the shared loop (train/trainers.py). Imported
+  here, not at the top, so that ``--help`` and a config error come before
+  JAX's import; a typo still fails before any work."""
+  from darl_jax.train import trainers as trainers_lib
+  return trainers_lib.trainers()
 
 
 def get_trainer(name: str):
-  registry = trainers()
-  if name not in registry:
-    raise ValueError(f"unknown trainer {name!r}; valid: {', '.join([*registry, *DRIVERS])}")
-  return registry[name]
+  from darl_jax.train import trainers as trainers_lib
+  return trainers_lib.get_trainer(name)
 
 
 def get_job(name: str):

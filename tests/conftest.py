@@ -16,6 +16,13 @@ _CACHE = os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The tests run JAX on the CPU. Where libtpu is installed (the tpu extra, for
+# the ahead-of-time TPU compile tests) JAX would otherwise load it as a
+# backend, and libtpu must never query a metadata server here; the TPU
+# compile tests get their topology from jax.experimental.topologies.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # two test workers compile at once
 # The tests' programs are tiny, so compiling them is most of their time, and
 # LLVM's optimisation passes are most of a CPU compile: without them a model's
 # init compiles in half the time (15.8 s against 32.8 s for test_models'

@@ -18,6 +18,7 @@ fragmentation), hence the headroom of ``FIT_FRACTION``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Callable
 
@@ -107,14 +108,40 @@ def abstract_batch(image_shape, batch_size: int, sharding) -> dict:
           "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding)}
 
 
+class CompilerOutOfMemory(RuntimeError):
+  """XLA refused to compile the step for want of memory (the TPU compiler
+  does, at compile time); ``footprint`` and ``capacity`` are its figures."""
+
+  def __init__(self, message: str, footprint: Footprint, capacity: int):
+    super().__init__(message)
+    self.footprint, self.capacity = footprint, capacity
+
+
+# The TPU compiler's refusal, e.g. "the total memory required for HLO
+# temporaries (35.25G) exceeds available HBM (15.75G)".
+_COMPILER_OOM = re.compile(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                           r"\(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
 def compile_step(jitted, *args) -> tuple[object, dict]:
-  """``jitted.lower(*args).compile()``, with the seconds of each phase."""
+  """``jitted.lower(*args).compile()``, with the seconds of each phase.
+  Raises CompilerOutOfMemory where XLA itself says the step cannot fit."""
   t0 = time.perf_counter()
   traced = jitted.trace(*args)
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    found = _COMPILER_OOM.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+      raise
+    temps = float(found.group(1)) * _UNITS[found.group(2)]
+    hbm = float(found.group(3)) * _UNITS[found.group(4)]
+    raise CompilerOutOfMemory(" ".join(str(e).split())[:300],
+                              Footprint(0, 0, 0, int(temps), 0), int(hbm)) from None
   t3 = time.perf_counter()
   return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
 
@@ -165,9 +192,13 @@ def choose_microbatch(compile_for: Callable[[int], object], sizes: list[int],
   ``(microbatch, compiled)``."""
   b = sizes[0]
   while True:
-    compiled = compile_for(b)
-    fp = footprint(compiled)
-    if fp is None or capacity is None or fp.total <= FIT_FRACTION * capacity:
+    try:
+      compiled = compile_for(b)
+      fp = footprint(compiled)
+    except CompilerOutOfMemory as e:
+      compiled, fp, capacity = None, e.footprint, capacity or e.capacity
+    if compiled is not None and (fp is None or capacity is None
+                                 or fp.total <= FIT_FRACTION * capacity):
       return b, compiled
     nxt = suggest_microbatch(fp, b, capacity, sizes)
     if nxt is None:

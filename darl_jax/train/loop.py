@@ -509,7 +509,11 @@ def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
     microbatch, compiled = aot.choose_microbatch(compile_for, sizes, capacity)
   else:
     microbatch = requested or batch_size
-    compiled = compile_for(microbatch)
+    try:
+      compiled = compile_for(microbatch)
+    except aot.CompilerOutOfMemory as e:   # the TPU compiler checks memory itself
+      raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
+                                        microbatch=microbatch, sizes=sizes)) from None
   fp = aot.footprint(compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
   estimate = aot.describe_estimate(config, dict(built.mesh.shape), microbatch)

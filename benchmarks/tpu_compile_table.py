@@ -1,0 +1,100 @@
+"""The TPU table of docs/TPU.md: the paper's configs compiled for TPU slices on a CPU host.
+
+    python benchmarks/tpu_compile_table.py --out=/tmp/tpu.jsonl      # compile every row
+    python benchmarks/tpu_compile_table.py --out=/tmp/tpu.jsonl --render   # the markdown
+
+Each row is one ``python -m darl_jax.compile`` command (needs the ``tpu``
+extra), run in its own process, its report appended to ``--out`` as a JSON
+line; rows already in ``--out`` are skipped, so an interrupted job resumes.
+A compile of an unscanned ViT takes minutes on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROWS = [  # (config, topology, overrides)
+    ("experiments/vit_b16_diff.py", "v5p:4x4x4", ()),
+    ("experiments/vit_b16_diff.py", "v5e:16x16", ()),
+    ("experiments/vit_l16_diff.py", "v5p:4x4x4", ()),
+    ("experiments/vit_l16_diff.py", "v5e:16x16", ()),
+    ("experiments/vit_h14_diff.py", "v5p:4x4x4", ("--config.mesh.fsdp=4",)),
+    ("experiments/vit_h14_diff.py", "v5e:16x16", ("--config.mesh.fsdp=16",)),
+    ("experiments/vit_b16_mse.py", "v5p:4x4x4", ()),
+    ("experiments/vit_l16_mse.py", "v5p:4x4x4", ()),
+    ("experiments/vit_h14_mse.py", "v5p:4x4x4", ("--config.mesh.fsdp=4",)),
+    ("experiments/vit_b16_mse.py", "v5e:16x16", ()),
+    ("experiments/vit_l16_mse.py", "v5e:16x16", ()),
+    ("experiments/vit_h14_mse.py", "v5e:16x16", ("--config.mesh.fsdp=16",)),
+]
+EPOCHS = 800
+IMAGENET = 1_281_167
+
+
+def command(config: str, topology: str, overrides) -> list[str]:
+  return [sys.executable, "-m", "darl_jax.compile", f"--config={config}",
+          f"--topology={topology}", "--config.batch_size=4096", *overrides]
+
+
+def done(out: str) -> set:
+  if not os.path.exists(out):
+    return set()
+  keys = set()
+  for line in open(out):
+    row = json.loads(line)
+    keys.add((row["config"], row["topology"]))
+  return keys
+
+
+def compile_rows(out: str) -> None:
+  seen = done(out)
+  for config, topology, overrides in ROWS:
+    label = " ".join([f"--config={config}", "--config.batch_size=4096", *overrides])
+    if (label, topology) in seen:
+      continue
+    t0 = time.perf_counter()
+    proc = subprocess.run(command(config, topology, overrides) + [f"--json={out}"],
+                          capture_output=True, text=True)
+    print(f"{config} {topology} {' '.join(overrides)}: exit {proc.returncode} in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if proc.returncode not in (0, 1):
+      print(proc.stderr[-2000:], flush=True)
+
+
+def render(out: str) -> str:
+  lines = ["| config | slice | mesh (data x fsdp) | per chip | fits? | compiled GiB / HBM | "
+           "memory.py GiB | XLA step ms | implied MFU | 800 epochs |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for line in open(out):
+    r = json.loads(line)
+    name = r["config"].split("--config=experiments/")[1].split(".py")[0]
+    mesh = f"{r['mesh']['data']} x {r['mesh']['fsdp']}"
+    per_chip = r["microbatch_size"] // (r["mesh"]["data"] * r["mesh"]["fsdp"])
+    steps = EPOCHS * IMAGENET / r["batch_size"]
+    days = (f"{steps * r['xla_seconds'] / 86400:.1f} days" if r["xla_seconds"] else "-")
+    mfu = f"{r['mfu']:.2f}" if r["mfu"] else "-"
+    ms = f"{r['xla_seconds'] * 1e3:.0f}" if r["xla_seconds"] else "-"
+    lines.append(f"| {name} | {r['topology']} ({r['chips']} chips) | {mesh} | {per_chip} | "
+                 f"{'yes' if r['fits'] else '**no**'} | {r['train_gib']:.1f} / "
+                 f"{r['hbm_gib']:.0f} | {r['estimate'] or '-'} | {ms} | {mfu} | {days} |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--render", action="store_true")
+  args = parser.parse_args()
+  if args.render:
+    print(render(args.out))
+  else:
+    compile_rows(args.out)
+
+
+if __name__ == "__main__":
+  main()

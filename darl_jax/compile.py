@@ -1,0 +1,269 @@
+"""Compile a config's train and evaluation steps for a TPU topology, on a CPU host.
+
+    python -m darl_jax.compile --config=experiments/vit_h14_diff.py --topology=v5p:4x4x8 \\
+        [--config.batch_size=4096 --config.microbatch_size=... --config.mesh.fsdp=...] \\
+        [--save=/path/train_step.bin]
+
+needs libtpu (``pip install -e ".[tpu]"``) and no TPU: JAX describes the
+topology's chips (``jax.experimental.topologies``), the loop's own ``setup``
+builds the real steps (mesh, sharding rules, per-device batch, microbatches)
+over them, and XLA compiles them here. Printed per chip: the compiled train
+step's arguments, outputs, temporaries and total against the chip's HBM
+(fits / does not fit, by how much), darl_jax/memory.py's analytic estimate
+beside it, the evaluation step's total, the model FLOPs of a step and XLA's
+estimated step time (its cost model, not a measurement) with the MFU it
+implies. Exits 1 when the step does not fit, with the fix named.
+
+Topology names are JAX's: ``v4:2x2x2``, ``v5e:4x4`` (v5 lite), ``v5p:4x4x8``,
+``v6e:8x8``; ``--num_slices`` > 1 compiles for several slices of it. The
+data source is replaced by synthetic images of the config's size (nothing
+is read); the schedule's length is the config's. ``--save`` writes the
+serialized train-step executable (jax.experimental.serialize_executable).
+"""
+
+from __future__ import annotations
+
+import os
+
+_PLATFORMS = os.environ.get("JAX_PLATFORMS")   # the user's, before darl_jax sets one
+
+from darl_jax import tpu_env  # noqa: E402  (its import configures libtpu's environment)
+
+# Before JAX loads a backend: the host's own device is the CPU (unless this
+# is a TPU VM), and the TPU exists only as a topology.
+if not tpu_env.on_tpu_vm() and _PLATFORMS is None:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8, v5e:16x16.")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice).")
+_SAVE = flags.DEFINE_string("save", "", "Write the compiled train step here (serialized).")
+_JSON = flags.DEFINE_string("json", "", "Also append the report as one JSON line to this file.")
+
+GIB = 2.0 ** 30
+# Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s) per chip, public
+# datasheets, by JAX's device_kind.
+PEAK_BF16 = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
+             "TPU v6 lite": 918e12, "TPU v6e": 918e12}
+HBM_BANDWIDTH = {"TPU v4": 1228e9, "TPU v5 lite": 819e9, "TPU v5": 2765e9, "TPU v5p": 2765e9,
+                 "TPU v6 lite": 1640e9, "TPU v6e": 1640e9}
+
+
+def xla_step_seconds(cost: dict | None, device_kind: str) -> float | None:
+  """A step's time by XLA's cost analysis of the compiled program: its own
+  ``optimal_seconds`` where that is positive, else the roofline of its
+  per-chip flop and byte counts, ``max(flops / peak, bytes / bandwidth)``
+  (libtpu 0.0.42 gives a negative ``optimal_seconds`` for large programs).
+  An estimate from XLA's cost model, not a measurement."""
+  if not cost:
+    return None
+  seconds = float(cost.get("optimal_seconds", 0.0) or 0.0)
+  if seconds > 0:
+    return seconds
+  peak, bandwidth = PEAK_BF16.get(device_kind), HBM_BANDWIDTH.get(device_kind)
+  if not (peak and bandwidth):
+    return None
+  return max(float(cost.get("flops", 0.0)) / peak,
+             float(cost.get("bytes accessed", 0.0)) / bandwidth) or None
+
+
+@dataclasses.dataclass
+class Report:
+  """What one compile found (per chip)."""
+  topology: str
+  chips: int
+  device_kind: str
+  mesh: dict
+  batch_size: int
+  microbatch_size: int
+  hbm: float | None
+  train: object                 # aot.Footprint
+  eval: object | None
+  estimate: str | None
+  model_flops: float | None     # per step, all chips
+  xla_seconds: float | None     # XLA's estimated step time
+  fits: bool
+  message: str = ""
+
+  def as_dict(self) -> dict:
+    """The report's figures as JSON types (GiB, seconds)."""
+    gib = lambda b: None if b is None else round(b / GIB, 3)
+    return {"topology": self.topology, "chips": self.chips, "device_kind": self.device_kind,
+            "mesh": self.mesh, "batch_size": self.batch_size,
+            "microbatch_size": self.microbatch_size, "hbm_gib": gib(self.hbm),
+            "train_gib": gib(self.train.total), "temporaries_gib": gib(self.train.temporaries),
+            "arguments_gib": gib(self.train.arguments),
+            "eval_gib": gib(self.eval.total) if self.eval else None,
+            "estimate": self.estimate, "model_flops": self.model_flops,
+            "xla_seconds": self.xla_seconds, "mfu": self.mfu(), "fits": self.fits,
+            "message": self.message}
+
+  def mfu(self) -> float | None:
+    peak = PEAK_BF16.get(self.device_kind)
+    if not (self.model_flops and self.xla_seconds and peak):
+      return None
+    return self.model_flops / (self.xla_seconds * peak * self.chips)
+
+  def lines(self) -> list[str]:
+    t = self.train
+    hbm = f"{self.hbm / GIB:.1f} GiB" if self.hbm else "unknown"
+    out = [f"topology {self.topology}: {self.chips} x {self.device_kind} (HBM {hbm} each), "
+           f"mesh {self.mesh}",
+           f"batch {self.batch_size}: {self.batch_size // self.microbatch_size} microbatch(es) "
+           f"of {self.microbatch_size}, "
+           f"{self.microbatch_size // (self.mesh['data'] * self.mesh['fsdp'])} per chip",
+           f"train step per chip: arguments {t.arguments / GIB:.2f} GiB, outputs "
+           f"{(t.outputs - t.aliased) / GIB:.2f} GiB beyond the donated state, temporaries "
+           f"{t.temporaries / GIB:.2f} GiB, total {t.total / GIB:.2f} GiB"]
+    if self.estimate:
+      out.append(f"memory.py's estimate: {self.estimate}")
+    if self.eval is not None:
+      out.append(f"evaluation step per chip: total {self.eval.total / GIB:.2f} GiB")
+    if self.xla_seconds:
+      line = f"XLA's cost model: {self.xla_seconds * 1e3:.0f} ms per step"
+      if self.model_flops:
+        line += f", {self.model_flops / self.chips / 1e12:.1f} model TFLOP per chip per step"
+      if self.mfu() is not None:
+        line += f", implied MFU {self.mfu():.2f} (an estimate, not a measurement)"
+      out.append(line)
+    verdict = "fits" if self.fits else "does NOT fit"
+    if self.hbm:
+      verdict += (f": {t.total / GIB:.2f} of {self.hbm / GIB:.1f} GiB "
+                  f"({t.total / self.hbm:.0%}; headroom {(self.hbm - t.total) / GIB:+.2f} GiB)")
+    out.append(verdict)
+    if self.message:
+      out.append(self.message)
+    return out
+
+
+def topology_devices(name: str, num_slices: int = 1) -> list:
+  """The devices of TPU topology ``name`` (JAX's naming), compile-only."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                        num_slices=num_slices)
+  except Exception as e:  # pylint: disable=broad-except
+    text = " ".join(str(e).split())
+    if "libtpu" in text.lower() or "tpu" not in text.lower():
+      raise ValueError(f"cannot describe TPU topology {name!r}: {text[:300]}; is libtpu "
+                       "installed (pip install -e \".[tpu]\")?") from None
+    raise ValueError(f"unknown TPU topology {name!r} ({text[:200]}): use JAX's names, "
+                     "e.g. v4:2x2x2, v5e:4x4, v5p:4x4x8, v6e:8x8") from None
+  return list(desc.devices)
+
+
+def for_compile(config):
+  """``config`` with its data replaced by synthetic images of the same size
+  (nothing is read; ImageNet's split sizes for the schedule's epochs)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.data.name = "synthetic"      # ImageNet's split sizes (data/synthetic.py)
+    c.data.num_workers = 0
+  return c
+
+
+def compile_for_topology(config, devices, topology: str = "", save: str = "") -> Report:
+  """Builds and compiles ``config``'s steps over ``devices`` (topology_devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from darl_jax import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import accumulate  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from darl_jax.train.trainers import get_trainer  # pylint: disable=g-import-not-at-top
+
+  config = for_compile(config)
+  trainer = get_trainer(config.trainer)(config)
+  built = loop.setup(trainer, config, devices=devices)
+  device = devices[0]
+  hbm = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
+  mesh = dict(built.mesh.shape)
+  fits, message = True, ""
+  try:
+    compiled, info = loop.compile_train_step(built, config, device=device)
+    fp = info["footprint"]
+    microbatch = info["microbatch_size"]
+  except aot.DoesNotFit as e:
+    # The footprint of the step as configured, for the report (the TPU
+    # compiler refuses such a step: then only its temporaries are known).
+    fits, message = False, str(e)
+    microbatch = config.get("microbatch_size", 0) or config.batch_size
+    if microbatch < 0:
+      microbatch = accumulate.candidates(config.batch_size, built.batch_shards)[-1]
+    try:
+      compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
+                                     built.abstract_state, built.abstract_batch)
+      fp = aot.footprint(compiled)
+    except aot.CompilerOutOfMemory as oom:
+      compiled, fp = None, oom.footprint
+  cost = compiled.cost_analysis() if compiled is not None else None
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  seconds = xla_step_seconds(cost, device.device_kind)
+
+  eval_fp = None
+  h, w, c = built.ctx.train_source.image_shape
+  eval_batch = dict(built.abstract_batch)
+  eval_batch["mask"] = jax.ShapeDtypeStruct((config.batch_size,), jax.numpy.bool_,
+                                            sharding=built.batch_sharding)
+  try:
+    state = built.abstract_state
+    eval_compiled = built.eval_step.lower(state["params"], state["model_state"],
+                                          eval_batch).compile()
+    eval_fp = aot.footprint(eval_compiled)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("the evaluation step did not compile for %s: %s", topology, e)
+
+  model_flops = None
+  if config.trainer == "pretrain":
+    model_flops = flops_lib.darl_train_flops(built.model, (h, w)) * config.batch_size
+  if save and fits and compiled is not None:
+    from jax.experimental import serialize_executable  # pylint: disable=g-import-not-at-top
+    payload, _, _ = serialize_executable.serialize(compiled)
+    with open(save, "wb") as f:
+      f.write(payload)
+    logging.info("wrote the compiled train step to %s (%d bytes)", save, len(payload))
+  return Report(topology=topology, chips=len(devices), device_kind=device.device_kind,
+                mesh=mesh, batch_size=config.batch_size, microbatch_size=microbatch,
+                hbm=hbm, train=fp, eval=eval_fp,
+                estimate=aot.describe_estimate(config, mesh, microbatch),
+                model_flops=model_flops, xla_seconds=seconds, fits=fits,
+                message=message)
+
+
+def _config_arg(argv) -> str:
+  """The command line's config and overrides, as the report's label."""
+  return " ".join(a for a in argv[1:] if a.startswith("--config"))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not _TOPOLOGY.value:
+    raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x8")
+  logging.set_verbosity(logging.WARNING)
+  from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
+  config = _CONFIG.value
+  try:
+    config_lib.validate(config)
+    devices = topology_devices(_TOPOLOGY.value, _NUM_SLICES.value)
+    report = compile_for_topology(config, devices, _TOPOLOGY.value, _SAVE.value)
+  except ValueError as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)
+  print("\n".join(report.lines()))
+  if _JSON.value:
+    import json  # pylint: disable=g-import-not-at-top
+    with open(_JSON.value, "a") as f:
+      f.write(json.dumps({"config": _config_arg(sys.argv), **report.as_dict()}) + "\n")
+  sys.exit(0 if report.fits else 1)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
