@@ -1,10 +1,12 @@
-"""The package's import graph: kernels never import models, and no cycles.
+"""The package's import graph runs one way: no cycles, and kernels/ imports
+nothing of the package outside kernels/.
 
 Read from the source with ``ast`` (nothing is imported), so this runs in
-well under a second. Cycles count only imports that run at import time: one
-inside a function (data/fashion_mnist.py's of tfds_fashion_mnist, which
-imports it back) runs when called and breaks no import order. The kernels
--> models check reads every import, function-level ones included.
+well under a second. Every import counts, function-level ones included: an
+import inside a function (kept for a heavy optional dependency such as
+TensorFlow, or to load Pallas's GPU backends only when a kernel runs) still
+makes the importing module depend on the imported one, so it must not close
+a circle either.
 """
 
 import ast
@@ -34,9 +36,10 @@ def _import_time_nodes(tree):
                 if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
 
-def _imports(name: str, path: pathlib.Path, modules, top_level_only: bool) -> set[str]:
+def _imports(name: str, path: pathlib.Path, modules, top_level_only: bool = False) -> set[str]:
   """The darl_jax modules ``name`` imports (``from darl_jax.x import y``
-  counts as darl_jax.x.y when that is a module, else darl_jax.x)."""
+  counts as darl_jax.x.y when that is a module, else darl_jax.x), in
+  function bodies too unless ``top_level_only``."""
   tree = ast.parse(path.read_text(), str(path))
   nodes = _import_time_nodes(tree) if top_level_only else ast.walk(tree)
   package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -92,21 +95,37 @@ def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
   return out
 
 
-def test_kernels_never_import_models():
+def _graph(top_level_only: bool = False) -> dict[str, set[str]]:
   modules = _modules()
-  upward = {(name, target)
-            for name, path in modules.items() if name.startswith("darl_jax.kernels")
-            for target in _imports(name, path, modules, top_level_only=False)
-            if target.startswith("darl_jax.models")}
-  assert not upward, f"kernels import models (models may import kernels, not back): {upward}"
+  return {name: _imports(name, path, modules, top_level_only)
+          for name, path in modules.items()}
+
+
+def test_the_graph_reads_every_import():
+  graph, top_level = _graph(), _graph(top_level_only=True)
+  assert graph["darl_jax.models.posenc"] >= {"darl_jax.kernels.rope"}   # module level
+  # inside functions: the Pallas kernels where ops first runs them, TFDS's builder
+  assert "darl_jax.kernels.layer_norm" in graph["darl_jax.ops"] - top_level["darl_jax.ops"]
+  assert "darl_jax.data.tfds_fashion_mnist" in graph["darl_jax.data.fashion_mnist"]
+
+
+def test_kernels_import_nothing_outside_kernels():
+  """Models call ops, ops call kernels, and kernels know nothing above them
+  (ops hands the fused stack its ops and per_shard the batch axes)."""
+  upward = {(name, target) for name, targets in _graph().items()
+            if name.startswith("darl_jax.kernels")
+            for target in targets if not target.startswith("darl_jax.kernels")}
+  assert not upward, f"kernels import the package above them: {upward}"
+
+
+def test_ops_never_import_models():
+  graph = _graph()
+  upward = {t for t in graph["darl_jax.ops"] if t.startswith("darl_jax.models")}
+  assert not upward, f"ops import models (models call ops, not back): {upward}"
 
 
 def test_no_import_cycles_among_package_modules():
-  modules = _modules()
-  graph = {name: _imports(name, path, modules, top_level_only=True)
-           for name, path in modules.items()}
-  assert graph["darl_jax.models.posenc"] >= {"darl_jax.kernels.rope"}   # the graph is read
-  assert _cycles(graph) == set()
+  assert _cycles(_graph()) == set()
 
 
 def test_cycle_finder_finds_a_cycle():
