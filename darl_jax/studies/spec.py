@@ -74,6 +74,11 @@ HOW_KEYS = ("compilation_cache_dir", "data.num_workers", "tensorboard", "kernels
             "model.attention_impl", "device_memory_gib", "profile")
 KEYS_ADDED = {
     "microbatch_size": 0,
+    # The sharded and mixed data sources (data/webdataset.py, parquet.py,
+    # mixture.py): their keys at the values that read as before.
+    "data.eval_path": None, "data.image_column": "image", "data.index_cache_dir": None,
+    "data.label_column": "label", "data.label_key": "label", "data.mixture": None,
+    "data.num_classes": 0,
     "data.crop_scale": [0.2, 1.0],
     "model.prefix": "off",
     "ema_decay": 0.0,
