@@ -243,6 +243,51 @@ def test_automatic_microbatch_is_the_largest_that_fits():
   assert info["footprint"].total <= aot.FIT_FRACTION * info["capacity"]
 
 
+# ------------------------------------------------------- device memory
+
+
+class FakeDevice:
+  def __init__(self, stats, kind="NVIDIA H200"):
+    self.stats, self.device_kind = stats, kind
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_device_memory_figures_and_capacity():
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  gib = int(aot.GIB)
+  gpu = FakeDevice({"bytes_in_use": 2 * gib, "peak_bytes_in_use": 65 * gib,
+                    "largest_free_block_bytes": 39 * gib, "bytes_limit": 104 * gib})
+  assert aot.memory_stats(gpu) == {"memory_in_use_gib": 2.0, "memory_peak_gib": 65.0,
+                                   "memory_largest_free_gib": 39.0, "memory_limit_gib": 104.0}
+  assert aot.device_capacity(gpu) == 104 * gib
+  assert aot.device_capacity(gpu, override_gib=8) == 8 * gib
+  # A TPU described without one (no stats): its HBM by kind; CPU: unknown.
+  assert aot.device_capacity(FakeDevice(None, "TPU v5 lite")) == 16 * gib
+  assert aot.device_capacity(FakeDevice(None, "cpu")) is None
+  assert aot.memory_stats(FakeDevice(None, "cpu")) == {}
+
+
+def test_the_cli_starts_jax_with_the_cuda_async_allocator_unless_told(monkeypatch):
+  from darl_jax import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+  monkeypatch.delenv("JAX_PJRT_CLIENT_CREATE_OPTIONS", raising=False)
+  main.default_gpu_allocator()
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
+  main.default_gpu_allocator()
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "default"
+
+
+def test_profile_traces_the_chosen_steps(tmp_path):
+  config = pretrain_config("mse", total_steps=4, eval_every_steps=0,
+                           **{"profile.start_step": 2, "profile.num_steps": 2})
+  loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path))
+  traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+  assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
 # ------------------------------------------------------- 4 fake devices
 
 MESHES = {"data": {"data": 4, "fsdp": 1, "tensor": 1}, "fsdp": {"data": 2, "fsdp": 2, "tensor": 1}}
