@@ -1,0 +1,84 @@
+"""Compiled train steps saved and loaded by key (darl_jax/train/executables.py):
+a match loads without compiling, anything that changes the program changes
+the key, and a broken file falls back to compiling."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from darl_jax import config_lib
+from darl_jax.train import executables
+
+
+def _compile():
+  f = jax.jit(lambda s, x: (s + x.sum(), {"loss": x.mean()}), donate_argnums=(0,))
+  compiled = f.lower(jnp.zeros(()), jnp.ones((4, 3))).compile()
+  return compiled, {"microbatch_size": 4, "compile_s": 0.1}
+
+
+class Counting:
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self):
+    self.calls += 1
+    return _compile()
+
+
+def test_a_saved_step_loads_without_compiling_and_runs_the_same(tmp_path):
+  fn = Counting()
+  first, info = executables.load_or_compile(tmp_path, "k1", fn, keep=("microbatch_size",))
+  assert fn.calls == 1 and "loaded_s" not in info
+  second, info = executables.load_or_compile(tmp_path, "k1", fn, keep=("microbatch_size",))
+  assert fn.calls == 1 and info["microbatch_size"] == 4 and info["loaded_s"] >= 0
+  x = jnp.arange(12.0).reshape(4, 3)
+  a, b = first(jnp.zeros(()), x), second(jnp.zeros(()), x)
+  np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+  assert not list(tmp_path.glob(".*.tmp"))            # written atomically
+
+
+def test_a_broken_file_is_removed_and_the_step_compiled(tmp_path, caplog):
+  (tmp_path / "k2.bin").write_bytes(b"not an executable")
+  fn = Counting()
+  compiled, _ = executables.load_or_compile(tmp_path, "k2", fn)
+  assert fn.calls == 1 and compiled is not None
+  assert "did not load" in caplog.text
+  # The broken file was replaced by a good one, which now loads.
+  executables.load_or_compile(tmp_path, "k2", fn)
+  assert fn.calls == 1
+
+
+def _mesh(kind="cpu", count=1):
+  devices = np.array([types.SimpleNamespace(platform="cpu", device_kind=kind, id=i,
+                                            process_index=0) for i in range(count)])
+  return types.SimpleNamespace(devices=devices, shape={"data": count, "fsdp": 1, "tensor": 1})
+
+
+def test_the_key_changes_with_config_code_devices_and_kernels(monkeypatch):
+  c = config_lib.pretrain_config()
+  base = executables.program_key(c, _mesh())
+  assert executables.program_key(c, _mesh()) == base
+  wider = c.copy_and_resolve_references()
+  wider.model.width = 64
+  assert executables.program_key(wider, _mesh()) != base
+  seeded = c.copy_and_resolve_references()
+  seeded.seed = 1                              # the step's base key is a constant
+  assert executables.program_key(seeded, _mesh()) != base
+  assert executables.program_key(c, _mesh(kind="NVIDIA H200")) != base
+  assert executables.program_key(c, _mesh(count=2)) != base
+  assert executables.program_key(c, _mesh(), kernels="hopper") != base
+  monkeypatch.setattr(executables, "code_digest", lambda: "edited")
+  assert executables.program_key(c, _mesh()) != base
+
+
+def test_keys_that_do_not_reach_the_program_keep_the_key():
+  c = config_lib.pretrain_config()
+  base = executables.program_key(c, _mesh())
+  other = c.copy_and_resolve_references()
+  other.log_every_steps = 7
+  other.checkpoint_every_steps = 9
+  other.keep_checkpoints = 1
+  other.tensorboard = False
+  assert executables.program_key(other, _mesh()) == base
