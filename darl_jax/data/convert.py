@@ -1,7 +1,8 @@
-"""Writes an image folder into tar shards, once, for the sharded sources.
+"""Writes an image folder into tar or ArrayRecord shards, once, for the sharded sources.
 
     python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=tar \\
         --shard_size=10000
+    python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=arrayrecord
 
 The folder is read as the image_folder source reads it (split folders
 ``train/``, ``val/``..., or one pool; optional class sub-folders), and each
@@ -14,6 +15,12 @@ extension (dots in a name become ``_``, since a WebDataset key ends at the
 first dot). A folder without split folders becomes ``train-*`` only: point
 ``data.path`` at it and the webdataset source holds out validation by hash.
 The printed lines give the ``data.path`` / ``data.eval_path`` to train on.
+
+``--format=arrayrecord`` writes ``<dst>/<split>-NNNNNN.array_record`` instead
+(``data.name=arrayrecord``): one record per image, a msgpack map of the file's
+bytes (unchanged), its class index (when the folder has class sub-folders)
+and its key (the relative path), the layout arrayrecord_source.py documents;
+written with ``group_size:1``, ArrayRecord's setting for random access.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from absl import app, flags
 
 from darl_jax.data import image_folder
 
-FORMATS = ("tar",)
+FORMATS = ("tar", "arrayrecord")
+SOURCE_NAMES = {"tar": "webdataset", "arrayrecord": "arrayrecord"}
+ARRAYRECORD_WRITER_OPTIONS = "group_size:1"
 
 
 def _sample_key(rel: str) -> str:
@@ -70,6 +79,33 @@ def write_tar_shards(base: str, files: Sequence[str], classes: Sequence[str], ds
   return written
 
 
+def write_arrayrecord_shards(base: str, files: Sequence[str], classes: Sequence[str], dst: str,
+                             prefix: str, shard_size: int) -> list[str]:
+  """Writes ``files`` (relative to ``base``) into ``<dst>/<prefix>-NNNNNN.array_record``."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
+  if shard_size <= 0:
+    raise ValueError(f"--shard_size must be positive, got {shard_size}")
+  index = {name: i for i, name in enumerate(classes)}
+  written = []
+  os.makedirs(dst, exist_ok=True)
+  for start in range(0, len(files), shard_size):
+    path = os.path.join(dst, f"{prefix}-{start // shard_size:06d}.array_record")
+    tmp = path + ".tmp"
+    writer = array_record_module.ArrayRecordWriter(tmp, ARRAYRECORD_WRITER_OPTIONS)
+    try:
+      for rel in files[start:start + shard_size]:
+        with open(os.path.join(base, rel), "rb") as f:
+          data = f.read()
+        label = index[rel.split(os.sep)[0]] if classes else None
+        writer.write(arrayrecord_source.encode_record(data, label, rel.replace(os.sep, "/")))
+    finally:
+      writer.close()
+    os.replace(tmp, path)
+    written.append(path)
+  return written
+
+
 def convert(src: str, dst: str, fmt: str = "tar", shard_size: int = 10_000,
             val_split_size=None) -> dict[str, list[str]]:
   """{split: shard paths} of ``src`` written under ``dst``."""
@@ -92,16 +128,19 @@ def convert(src: str, dst: str, fmt: str = "tar", shard_size: int = 10_000,
   classes = image_folder.class_names([f for _, _, lists in listed.values() for f in lists])
   out = {}
   for split, (base, files, _) in listed.items():
-    out[split] = write_tar_shards(base, files, classes, dst, split, shard_size)
+    write = write_tar_shards if fmt == "tar" else write_arrayrecord_shards
+    out[split] = write(base, files, classes, dst, split, shard_size)
   return out
 
 
 def _brace(paths: list[str]) -> str:
-  """The brace pattern of consecutive shards ``x-000000.tar .. x-00000N.tar``."""
+  """The brace pattern of consecutive shards ``x-000000.tar .. x-00000N.tar``
+  (or ``.array_record``)."""
   if len(paths) == 1:
     return paths[0]
-  head = paths[0][:-len("000000.tar")]
-  return f"{head}{{000000..{len(paths) - 1:06d}}}.tar"
+  stem, ext = os.path.splitext(paths[0])
+  head = stem[:-len("000000")]
+  return f"{head}{{000000..{len(paths) - 1:06d}}}{ext}"
 
 
 _SRC = flags.DEFINE_string("src", None, "the image folder to convert")
@@ -121,7 +160,7 @@ def main(argv) -> None:
   train = _brace(out["train"])
   extra = f" --config.data.eval_path='{_brace(out['validation'])}'" if "validation" in out else ""
   print(f"done in {time.perf_counter() - start:.1f} s; train with "
-        f"--config.data.name=webdataset --config.data.path='{train}'{extra}")
+        f"--config.data.name={SOURCE_NAMES[_FORMAT.value]} --config.data.path='{train}'{extra}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ def _parquet(config, split, seed):
   return parquet.build(config, split=split, seed=seed)
 
 
+def _arrayrecord(config, split, seed):
+  from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
+  return arrayrecord_source.build(config, split=split, seed=seed)
+
+
 def _mixture(config, split, seed):
   from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
   return mixture.build(config, split=split, seed=seed, build_source=build_source,
@@ -67,6 +72,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "image_folder": _image_folder,
     "webdataset": _webdataset,
     "parquet": _parquet,
+    "arrayrecord": _arrayrecord,
     "mixture": _mixture,
     "tfds": _tfds,
     "synthetic": _synthetic,
