@@ -174,3 +174,10 @@ def test_convert_command_line(folder, tmp_path, capsys):
   assert first["key"] == "cat/000.png" and first["label"] == 0
   with open(os.path.join(folder, "train", "cat", "000.png"), "rb") as f:
     assert first["image"] == f.read()
+
+
+def test_a_mixture_takes_array_record_patterns(folder, converted):
+  dst, _ = converted
+  source = build_source(cfg(name="mixture", mixture=f"{dst}/train-*.array_record=3,"
+                            f"image_folder:{folder}=1"), split="train", seed=0)
+  assert source.train_batch(0, 8)["image"].shape == (8, 8, 8, 3)

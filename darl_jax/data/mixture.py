@@ -9,8 +9,8 @@ braces belong to the spec), a sequence of ``(spec, weight)`` pairs, or a dict
   ``data`` as if it were ``data.name``;
 - ``name:path`` (``webdataset:gs://b/train-{0000..0099}.tar``,
   ``image_folder:/data/imgs``);
-- a path: ``*.tar`` patterns are tar shards, ``*.parquet`` Parquet files, a
-  folder an image folder.
+- a path: ``*.tar`` patterns are tar shards, ``*.parquet`` Parquet files,
+  ``*.array_record`` ArrayRecord files, a folder an image folder.
 
 All components share ``data``'s image size, channels, augmentation and seed.
 
@@ -103,11 +103,13 @@ def component_config(config: Any, spec: str, names=()) -> dict:
     return {**base, "name": "webdataset", "path": spec}
   if pattern.endswith(".parquet"):
     return {**base, "name": "parquet", "path": spec}
+  if pattern.endswith(".array_record"):
+    return {**base, "name": "arrayrecord", "path": spec}
   if os.path.isdir(os.path.expanduser(spec)):
     return {**base, "name": "image_folder", "path": spec}
   raise ValueError(f"data.mixture: cannot tell what {spec!r} is: give a source name "
                    f"({', '.join(sorted(s for s in known if s != 'mixture'))}), "
-                   f"name:path, a *.tar or *.parquet pattern, or a folder of images")
+                   f"name:path, a *.tar, *.parquet or *.array_record pattern, or a folder of images")
 
 
 def slot_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
