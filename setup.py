@@ -31,6 +31,7 @@ EXTRAS = {
     # (python -m darl_jax.compile); on a TPU VM it is also the runtime.
     "tpu": ["libtpu==0.0.42.1"],
     "launch": ["xmanager==0.8.5.post1"],  # exact: xm_launch sets its Vertex machine types
+    "hf": ["datasets==5.2.0"],  # data.name=hf_disk: datasets saved with save_to_disk
 }
 
 setup(

@@ -15,6 +15,10 @@ Sources (``config.name``):
   webdataset     tar shards ({key}.jpg + optional {key}.cls), read by member
                  offset (webdataset.py; patterns in shards.py).
   parquet        Parquet files of encoded images, read by row group (parquet.py).
+  arrayrecord    ArrayRecord files of msgpack image records, random access
+                 (arrayrecord_source.py; written by convert.py --format=arrayrecord).
+  hf_disk        Hugging Face datasets saved with save_to_disk, memory-mapped
+                 (hf_disk.py; the ``hf`` extra).
   mixture        weighted mixture of any of these, config.mixture (mixture.py).
   imagenet2012   prepared TFDS imagenet2012 (ArrayRecord records through Grain,
                  or tf.data with JPEG crop-decode).

@@ -42,6 +42,11 @@ def _arrayrecord(config, split, seed):
   return arrayrecord_source.build(config, split=split, seed=seed)
 
 
+def _hf_disk(config, split, seed):
+  from darl_jax.data import hf_disk  # pylint: disable=g-import-not-at-top
+  return hf_disk.build(config, split=split, seed=seed)
+
+
 def _mixture(config, split, seed):
   from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
   return mixture.build(config, split=split, seed=seed, build_source=build_source,
@@ -73,6 +78,7 @@ SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
     "webdataset": _webdataset,
     "parquet": _parquet,
     "arrayrecord": _arrayrecord,
+    "hf_disk": _hf_disk,
     "mixture": _mixture,
     "tfds": _tfds,
     "synthetic": _synthetic,
