@@ -1,6 +1,7 @@
 """The input pipeline alone against a plain PIL loop, on a folder of JPEGs.
 
-    python benchmarks/pipeline_benchmark.py [--images=600] [--size=224] [--workers=0,1,2]
+    python benchmarks/pipeline_benchmark.py [--images=600] [--size=224] [--workers=0,1,2] \
+        [--formats=folder,tar,parquet,arrayrecord,hf_disk]
 
 On the folder of ImageNet-like JPEGs that benchmarks/cli_benchmark.py
 generates (300-500 px, quality 90), prints images/s of
@@ -11,6 +12,11 @@ generates (300-500 px, quality 90), prints images/s of
 - ``pipeline, N workers``: the training iterator of ``data.name=image_folder``
   with ``augment=spatial`` (darl_jax/data/pipeline.py), N worker processes
   (0: in this process), batches drawn as the loop draws them;
+- ``pipeline, FORMAT, N workers`` for each other ``--formats`` entry: the same
+  JPEG bytes (unchanged, so the same decode and crop) in tar shards or
+  ArrayRecord files (``python -m darl_jax.data.convert``), a Parquet file
+  (row groups of 256) or a Hugging Face dataset saved with ``save_to_disk``
+  (needs the ``hf`` extra), written to a temporary folder before timing;
 
 each timed for ``--seconds`` after a warm-up batch, and each row's ratio to
 the plain loop.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks import cli_benchmark  # noqa: E402
 from darl_jax.data import augment as aug  # noqa: E402
-from darl_jax.data import image_folder, pipeline  # noqa: E402
+from darl_jax.data import build_source, convert, image_folder, pipeline  # noqa: E402
+
+FORMATS = ("folder", "tar", "parquet", "arrayrecord", "hf_disk")
 
 
 def plain_loop_rate(paths: list[str], size: int, batch: int, seconds: float) -> float:
@@ -56,9 +65,35 @@ def plain_loop_rate(paths: list[str], size: int, batch: int, seconds: float) -> 
   return count / (time.perf_counter() - start)
 
 
-def pipeline_rate(folder: str, size: int, batch: int, workers: int, seconds: float) -> float:
-  source = image_folder.build({"path": folder, "image_size": size, "channels": 3,
-                              "augment": "spatial"}, split="train", seed=0)
+def write_format(fmt: str, root: str, paths: list[str], dst: str) -> dict:
+  """The data config of ``root``'s training images written as ``fmt`` under ``dst``."""
+  if fmt in ("tar", "arrayrecord"):
+    out = convert.convert(root, dst, fmt)
+    return {"name": "webdataset" if fmt == "tar" else fmt, "path": ",".join(out["train"]),
+            "eval_path": ",".join(out["validation"])}
+  images = []
+  for path in paths:
+    with open(path, "rb") as f:
+      images.append(f.read())
+  if fmt == "parquet":
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    pq.write_table(pa.table({"image": images}), os.path.join(dst, "train.parquet"),
+                   row_group_size=256)
+    return {"name": "parquet", "path": os.path.join(dst, "train.parquet"), "val_split_size": 0}
+  if fmt == "hf_disk":
+    import datasets  # pylint: disable=g-import-not-at-top
+    datasets.Dataset.from_dict({"image": images}).save_to_disk(os.path.join(dst, "hf"))
+    return {"name": "hf_disk", "path": os.path.join(dst, "hf"), "val_split_size": 0}
+  raise ValueError(f"--formats: unknown {fmt!r}; valid: {', '.join(FORMATS)}")
+
+
+def pipeline_rate(folder, size: int, batch: int, workers: int, seconds: float) -> float:
+  """Images/s of the training iterator of an image folder (a path) or of a
+  data config (a dict)."""
+  data = folder if isinstance(folder, dict) else {"name": "image_folder", "path": folder}
+  source = build_source({**data, "image_size": size, "channels": 3, "augment": "spatial"},
+                        split="train", seed=0)
   it = source.train_iterator(batch, num_workers=workers)
   try:
     next(it)                                     # warm-up: worker start, first batch
@@ -78,6 +113,8 @@ def main():
   parser.add_argument("--workers", default="0,1,2")
   parser.add_argument("--seconds", type=float, default=10.0)
   parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "darl_jpegs"))
+  parser.add_argument("--formats", default="folder",
+                      help=f"comma-separated, of {', '.join(FORMATS)}")
   args = parser.parse_args()
   from absl import flags
   flags.FLAGS.mark_as_parsed()
@@ -89,9 +126,16 @@ def main():
         f"{pipeline.host_cores()} host cores\n")
   print("| loader | images/s | x plain loop |\n|---|---|---|")
   print(f"| plain PIL loop | {base:.0f} | 1.00 |", flush=True)
-  for workers in (int(w) for w in args.workers.split(",")):
-    r = pipeline_rate(train, args.size, args.batch, workers, args.seconds)
-    print(f"| pipeline, {workers} workers | {r:.0f} | {r / base:.2f} |", flush=True)
+  for fmt in args.formats.split(","):
+    dst = tempfile.mkdtemp(prefix=f"darl_{fmt}_")
+    try:
+      data = train if fmt == "folder" else write_format(fmt, args.folder, paths, dst)
+      label = "" if fmt == "folder" else f"{fmt}, "
+      for workers in (int(w) for w in args.workers.split(",")):
+        r = pipeline_rate(data, args.size, args.batch, workers, args.seconds)
+        print(f"| pipeline, {label}{workers} workers | {r:.0f} | {r / base:.2f} |", flush=True)
+    finally:
+      shutil.rmtree(dst, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,21 @@ def test_a_mixture_takes_array_record_patterns(folder, converted):
   source = build_source(cfg(name="mixture", mixture=f"{dst}/train-*.array_record=3,"
                             f"image_folder:{folder}=1"), split="train", seed=0)
   assert source.train_batch(0, 8)["image"].shape == (8, 8, 8, 3)
+
+
+def test_the_pipeline_benchmark_times_the_sharded_formats(tmp_path):
+  """benchmarks/pipeline_benchmark.py --formats: a row per format and worker count."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, os.path.join(root, "benchmarks", "pipeline_benchmark.py"), "--images=16",
+       "--size=16", "--batch=4", "--workers=0", "--seconds=0.2",
+       f"--folder={tmp_path / 'jpegs'}", "--formats=folder,tar,arrayrecord,parquet"],
+      capture_output=True, text=True, cwd=root, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+          if line.startswith("| ")]
+  assert rows[1:] == ["plain PIL loop", "pipeline, 0 workers", "pipeline, tar, 0 workers",
+                      "pipeline, arrayrecord, 0 workers", "pipeline, parquet, 0 workers"]
