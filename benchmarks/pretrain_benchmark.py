@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import itertools
 import os
 import sys
 import time
@@ -64,10 +65,20 @@ def build(variant, objective, batch, overrides):
 
 def make_step(config):
   """The loop's own jitted step (loop.setup: the model, the optax chain, the
-  state shardings and the mesh of a real run), on synthetic data."""
+  state shardings and the mesh of a real run), on synthetic data:
+  ``(model, state, step, hyper)``, ``step(state, batch, hyper(n))`` the
+  update from step counter n (see with_hyper)."""
   config.data.name = "synthetic"
   built = loop.setup(pretrain.PretrainTrainer(config), config)
-  return built.model, built.init_state(), built.train_step
+  return built.model, built.init_state(), built.train_step, built.hyper
+
+
+def with_hyper(step, hyper, start: int = 0):
+  """``(state, batch) -> step(state, batch, hyper(n))`` for n = start, start +
+  1, ...: the learning rate and weight decay made on the host each step, as
+  the loop does (loop.Setup.hyper)."""
+  count = itertools.count(start)
+  return lambda state, batch: step(state, batch, hyper(next(count)))
 
 
 def time_steps(step_fn, state, batches, warmup, steps):
@@ -115,19 +126,20 @@ def _timing_turn():
 
 def run_case(variant, objective, batch, args):
   config = build(variant, objective, batch, args.set)
-  model, state, step = make_step(config)
+  model, state, step, hyper = make_step(config)
   size = config.model.image_size
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
   batches = [{"image": jax.random.uniform(k, (batch, size, size, 3), jnp.float32, -1, 1),
               "label": jnp.zeros((batch,), jnp.int32)} for k in keys]
   t0 = time.perf_counter()
-  compiled = step.lower(state, batches[0]).compile()
+  compiled = step.lower(state, batches[0], hyper(0)).compile()
   compile_s = time.perf_counter() - t0
   ma = compiled.memory_analysis()
   mem_gb = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
             - ma.alias_size_in_bytes) / 2**30 if ma is not None else float("nan")
   with _timing_turn():
-    state, times, loss = time_steps(compiled, state, batches, args.warmup, args.steps)
+    state, times, loss = time_steps(with_hyper(compiled, hyper), state, batches, args.warmup,
+                                    args.steps)
   ips = batch / np.median(times)
   lo, hi = batch / np.percentile(times, 90), batch / np.percentile(times, 10)
   f = flops.darl_train_flops(model, (size, size))

@@ -211,23 +211,24 @@ def main():
     show_each_kernel()
   variant, objective, batch = args.case.split(":")
   config = bench.build(variant, objective, int(batch), args.set)
-  _, state, step = bench.make_step(config)
+  _, state, step, hyper = bench.make_step(config)
   size = config.model.image_size
   x = {"image": jax.random.uniform(jax.random.PRNGKey(1), (int(batch), size, size, 3),
                                    jnp.float32, -1, 1),
        "label": jnp.zeros((int(batch),), jnp.int32)}
-  compiled = step.lower(state, x).compile()
+  compiled = step.lower(state, x, hyper(0)).compile()
+  run_step = bench.with_hyper(compiled, hyper)
   hlo = compiled.as_text()
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
     f.write(hlo)
   # warm-up, then the step time as pretrain_benchmark measures it (synchronised
   # after each step), to set against the kernel time and the traced span
-  state, times, _ = bench.time_steps(compiled, state, [x], 3, max(5, args.steps))
-  state, pipelined = bench.time_pipelined(compiled, state, [x], max(10, args.steps))
+  state, times, _ = bench.time_steps(run_step, state, [x], 3, max(5, args.steps))
+  state, pipelined = bench.time_pipelined(run_step, state, [x], max(10, args.steps))
   jax.profiler.start_trace(args.out, create_perfetto_trace=True)
   for _ in range(args.steps):
-    state, m = compiled(state, x)
+    state, m = run_step(state, x)
   jax.block_until_ready(m["loss"])
   jax.profiler.stop_trace()
   buffers = "on" if args.command_buffers else "off"

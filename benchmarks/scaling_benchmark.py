@@ -93,7 +93,7 @@ def measure(config, devices, mode: str, per_device_batch: int, warmup: int,
     batches.append({"image": image, "label": label})
 
   t0 = time.perf_counter()
-  compiled = built.train_step.lower(state, batches[0]).compile()
+  compiled = built.train_step.lower(state, batches[0], built.hyper(0)).compile()
   compile_s = time.perf_counter() - t0
   ma = compiled.memory_analysis()
   xla_gib = float("nan")
@@ -105,11 +105,11 @@ def measure(config, devices, mode: str, per_device_batch: int, warmup: int,
   remat = config.model.get("remat", "none")
 
   for i in range(warmup):
-    state, metrics = compiled(state, batches[i % 2])
+    state, metrics = compiled(state, batches[i % 2], built.hyper(i))
   jax.block_until_ready(metrics["loss"])
   t0 = time.perf_counter()
   for i in range(steps):
-    state, metrics = compiled(state, batches[i % 2])
+    state, metrics = compiled(state, batches[i % 2], built.hyper(warmup + i))
   jax.block_until_ready(metrics["loss"])
   seconds = time.perf_counter() - t0
   del state

@@ -198,7 +198,7 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
       microbatch = accumulate.candidates(config.batch_size, built.batch_shards)[-1]
     try:
       compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
-                                     built.abstract_state, built.abstract_batch)
+                                     built.abstract_state, built.abstract_batch, built.abstract_hyper)
       fp = aot.footprint(compiled)
     except aot.CompilerOutOfMemory as oom:
       compiled, fp = None, oom.footprint

@@ -24,8 +24,10 @@ raise, so a typo (``warmup_epoch``) cannot be silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -125,20 +127,29 @@ def num_warmup_steps(cfg, total_steps: int, steps_per_epoch: int | None) -> int:
   return int(min(steps, total_steps))
 
 
-def make_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
-                  batch_size: int | None = None) -> optax.Schedule:
-  """Linear warm-up from 0 to the peak, then cosine to ``end_lr_fraction * peak``
-  at ``total_steps`` (or constant at the peak). ``batch_size`` is needed only
-  for ``lr_scaling``; the value at step ``s`` is the lr of the ``s``-th update
-  (0-based), so the very first update has lr 0 when there is a warm-up.
-  """
+def _schedule_terms(cfg, total_steps: int, steps_per_epoch: int | None,
+                    batch_size: int | None):
   kind = _get(cfg, "schedule")
   if kind not in SCHEDULES:
     raise ValueError(f"unknown schedule {kind!r}; valid: {', '.join(SCHEDULES)}")
   peak = peak_lr(cfg, batch_size)
   end = peak * float(_get(cfg, "end_lr_fraction") or 0.0)
   warm = num_warmup_steps(cfg, total_steps, steps_per_epoch)
-  decay = max(total_steps - warm, 1)
+  return kind, peak, end, warm, max(total_steps - warm, 1)
+
+
+def make_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
+                  batch_size: int | None = None) -> optax.Schedule:
+  """Linear warm-up from 0 to the peak, then cosine to ``end_lr_fraction * peak``
+  at ``total_steps`` (or constant at the peak). ``batch_size`` is needed only
+  for ``lr_scaling``; the value at step ``s`` is the lr of the ``s``-th update
+  (0-based), so the very first update has lr 0 when there is a warm-up.
+
+  This is the traceable (jnp, float32) form; the train loop feeds the step
+  ``make_host_schedule``'s values instead (see ``Hyperparams``).
+  """
+  kind, peak, end, warm, decay = _schedule_terms(cfg, total_steps, steps_per_epoch,
+                                                 batch_size)
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
@@ -151,6 +162,82 @@ def make_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
     return jnp.where(step < warm, ramp, after)
 
   return schedule
+
+
+def make_host_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
+                       batch_size: int | None = None) -> Callable:
+  """``make_schedule`` on the host: numpy, computed in float64 and rounded once
+  to float32, so that the value of a step is the same on every platform and
+  in every process (XLA's float32 ``cos`` and its rewriting of ``x / c`` into
+  ``x * (1 / c)`` differ from numpy's by an ulp here and there: the two forms
+  agree to a few float32 ulps, not bitwise). Scalars in, ``np.float32`` out;
+  arrays work too."""
+  kind, peak, end, warm, decay = _schedule_terms(cfg, total_steps, steps_per_epoch,
+                                                 batch_size)
+
+  def schedule(step):
+    step = np.asarray(step, np.float64)
+    ramp = peak * step / max(warm, 1)
+    if kind == "constant":
+      after = np.full_like(step, peak)
+    else:
+      frac = np.clip((step - warm) / decay, 0.0, 1.0)
+      after = end + (peak - end) * 0.5 * (1.0 + np.cos(math.pi * frac))
+    out = np.where(step < warm, ramp, after).astype(np.float32)
+    return out[()] if out.ndim == 0 else out
+
+  return schedule
+
+
+class Hyperparams:
+  """The optimizer's per-step values (learning rate, weight decay) as inputs
+  of the train step rather than constants of its program: a change of
+  ``total_steps``, warm-up, ``base_lr`` or (nonzero) ``weight_decay`` then
+  reuses the compiled step.
+
+  The transformation ``make_train_optimizer`` builds reads them through
+  ``learning_rate(count)`` and ``weight_decay()``: inside ``with
+  hyperparams.bind(hyper)`` (the train step, ``hyper`` its argument
+  ``{"learning_rate": f32[], "weight_decay": f32[]}``) the bound values, else
+  the in-graph schedule of the update count and the configured decay, as
+  before. ``values(step)`` is ``hyper`` for the ``step``-th update (0-based,
+  the step counter before it), on the host. The optimizer state is optax's as
+  before (``ScaleByScheduleState`` keeps counting), so checkpoints resume.
+  """
+
+  KEYS = ("learning_rate", "weight_decay")
+
+  def __init__(self, schedule: Callable, host_schedule: Callable, weight_decay: float):
+    self.schedule, self.host_schedule = schedule, host_schedule
+    self.weight_decay_value = float(weight_decay)
+    self._bound = None
+
+  def values(self, step: int) -> dict:
+    return {"learning_rate": np.float32(self.host_schedule(step)),
+            "weight_decay": np.float32(self.weight_decay_value)}
+
+  def abstract(self, sharding=None) -> dict:
+    return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding) for k in self.KEYS}
+
+  @contextlib.contextmanager
+  def bind(self, hyper: dict):
+    if set(hyper) != set(self.KEYS):
+      raise ValueError(f"hyper needs exactly the keys {self.KEYS}, got {sorted(hyper)}")
+    previous, self._bound = self._bound, hyper
+    try:
+      yield
+    finally:
+      self._bound = previous
+
+  def learning_rate(self, count):
+    if self._bound is None:
+      return self.schedule(count)
+    return jnp.asarray(self._bound["learning_rate"], jnp.float32)
+
+  def weight_decay(self):
+    if self._bound is None:
+      return self.weight_decay_value
+    return jnp.asarray(self._bound["weight_decay"], jnp.float32)
 
 
 # ------------------------------------------------------------ per-parameter rules
@@ -247,6 +334,22 @@ def _scale_by_tree(mult) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
+def _add_decayed_weights(weight_decay: Callable[[], Any], mask) -> optax.GradientTransformation:
+  """``optax.add_decayed_weights`` whose rate is read at update time
+  (``weight_decay()``: a float or a traced scalar), with its state
+  (``MaskedState(EmptyState())``), so checkpoints keep their layout."""
+  def update_fn(updates, state, params):
+    if params is None:
+      raise ValueError("weight decay needs the params: tx.update(grads, state, params)")
+    wd = weight_decay()
+    updates = jax.tree.map(
+        lambda g, p: None if g is None else g + jnp.asarray(wd, p.dtype) * p,
+        updates, params, is_leaf=lambda x: x is None)
+    return updates, state
+  return optax.masked(optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn),
+                      mask)
+
+
 # ---------------------------------------------------------------------- optimizer
 
 
@@ -256,14 +359,32 @@ def make_optimizer(cfg, params, *, total_steps: int, steps_per_epoch: int | None
 
   ``params`` is used only for its paths and shapes (masks, labels, layer
   multipliers are fixed here, outside jit). The logged lr is that of the
-  top layer (multiplier 1).
+  top layer (multiplier 1). The schedule and weight decay are constants of
+  a program that calls ``tx.update``; the train loop uses
+  ``make_train_optimizer``, whose values are inputs of its step.
   """
+  tx, hyperparams = make_train_optimizer(cfg, params, total_steps=total_steps,
+                                         steps_per_epoch=steps_per_epoch,
+                                         batch_size=batch_size)
+  return tx, hyperparams.schedule
+
+
+def make_train_optimizer(cfg, params, *, total_steps: int,
+                         steps_per_epoch: int | None = None,
+                         batch_size: int) -> tuple[optax.GradientTransformation, Hyperparams]:
+  """``make_optimizer`` with the learning rate and weight decay read through
+  the returned ``Hyperparams`` (see there): bound to the step's ``hyper``
+  argument inside the train step, the schedule and the configured decay
+  otherwise. Same transformation, same state."""
   _check_keys(cfg)
   name = _get(cfg, "name")
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
   schedule = make_schedule(cfg, total_steps, steps_per_epoch, batch_size=batch_size)
   wd = float(_get(cfg, "weight_decay") or 0.0)
+  hyperparams = Hyperparams(
+      schedule, make_host_schedule(cfg, total_steps, steps_per_epoch, batch_size=batch_size),
+      wd)
   mask = decay_mask(cfg, params)
   mult = layer_multipliers(cfg, params)
 
@@ -278,8 +399,9 @@ def make_optimizer(cfg, params, *, total_steps: int, steps_per_epoch: int | None
   # Decoupled decay (AdamW): added after the Adam normalisation, so it is
   # lr * wd * p. For sgd/lars it is added to the gradient before momentum /
   # trust ratio, as in torch SGD and LARS. Layer decay scales it too (BEiT).
+  # Kept in the chain iff the configured decay is nonzero (the state's layout).
   if wd:
-    parts.append(optax.add_decayed_weights(wd, mask=mask))
+    parts.append(_add_decayed_weights(hyperparams.weight_decay, mask))
   if name == "lars":
     # Trust ratio ||p|| / ||u|| per leaf (for a scanned stack: per stack), only
     # where weight decay applies: biases, norms, SOS and position tables keep
@@ -289,11 +411,11 @@ def make_optimizer(cfg, params, *, total_steps: int, steps_per_epoch: int | None
         mask))
   if mult is not None:
     parts.append(_scale_by_tree(mult))
-  parts.append(optax.scale_by_learning_rate(schedule))
+  parts.append(optax.scale_by_learning_rate(hyperparams.learning_rate))
   if name in ("lars", "sgd") and _get(cfg, "momentum"):
     # After the lr, as optax.lars does: a changing lr only affects new gradients.
     parts.append(optax.trace(decay=_get(cfg, "momentum"), nesterov=_get(cfg, "nesterov")))
 
   tx = optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()},
                              frozen_labels(cfg, params))
-  return tx, schedule
+  return tx, hyperparams

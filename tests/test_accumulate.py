@@ -77,7 +77,8 @@ def one_step(trainer_cls, config, num_microbatches, *, steps=1):
   state = built.init_state()
   step = built.make_step(num_microbatches)
   for i in range(steps):
-    state, metrics = step(state, loop.to_global(host_batch(built, i), built.batch_sharding))
+    state, metrics = step(state, loop.to_global(host_batch(built, i), built.batch_sharding),
+                          built.hyper(i))
   return jax.device_get(state), jax.device_get(metrics)
 
 
@@ -183,7 +184,7 @@ def test_drop_path_draws_per_microbatch_from_its_own_key():
       jax.random.fold_in(rng, i), True)[0])(state["params"]) for i in range(2)]
   want = float(jnp.sqrt(sum(jnp.sum(jnp.square((a + b) / 2)) for a, b in zip(
       jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1])))))
-  _, metrics = built.make_step(2)(state, batch)
+  _, metrics = built.make_step(2)(state, batch, built.hyper(0))
   assert float(metrics["grad_norm"]) == pytest.approx(want, rel=1e-4)
   one = one_step(finetune.FinetuneTrainer, config, 1)[1]
   assert float(one["grad_norm"]) != pytest.approx(want, rel=1e-3)   # other masks

@@ -150,8 +150,9 @@ def test_a_nonfinite_step_leaves_the_ema_untouched():
   built = loop.setup(NaNStep(c), c)
   state = built.init_state()
   batch = next(built.ctx.train_source.train_batches(c.batch_size))
-  for _ in range(2):
-    state, _ = built.train_step(state, jax.device_put(batch, built.batch_sharding))
+  for i in range(2):
+    state, _ = built.train_step(state, jax.device_put(batch, built.batch_sharding),
+                                built.hyper(i))
   assert int(state["bad_step"]) == 1 and float(state["ema"]["weight"]) == 0.0
   assert all((x == 0).all() for x in leaves(state["ema"]["params"]))
 

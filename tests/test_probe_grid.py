@@ -53,8 +53,8 @@ def _trained(trainer_class, config, init=None, batches=None):
   if batches is None:
     source = linear_probe.finetune.build_source(config, config.data.train_split, train=True)
     batches = [source.train_batch(s, config.batch_size) for s in range(STEPS)]
-  for batch in batches:
-    state, _ = built.train_step(state, batch)
+  for i, batch in enumerate(batches):
+    state, _ = built.train_step(state, batch, built.hyper(i))
   return jax.device_get(state), batches
 
 

@@ -199,9 +199,15 @@ def on_mesh(fn: Callable, mesh) -> Callable:
   return traced_on_mesh
 
 
-def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
-                    ema_decay: float = 0.0, num_microbatches: int = 1) -> Callable:
-  """The (unjitted) update ``(state, batch) -> (state, metrics)``.
+def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams, base_rng,
+                    mesh=None, ema_decay: float = 0.0, num_microbatches: int = 1) -> Callable:
+  """The (unjitted) update ``(state, batch, hyper) -> (state, metrics)``.
+
+  ``hyper``: the update's learning rate and weight decay, ``{"learning_rate":
+  f32[], "weight_decay": f32[]}`` (``hyperparams.values(state["step"])``, made
+  on the host), which ``tx`` (optim.make_train_optimizer, ``hyperparams``
+  its values) reads: they are inputs of the program, not constants, so a
+  change of schedule, peak lr or nonzero weight decay compiles nothing new.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
   (EMA included) and records its index in ``bad_step``. Shared by the loop
@@ -216,7 +222,7 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
   spec = None if mesh is None else sharding_lib.batch_sharding(mesh).spec
 
   @functools.partial(on_mesh, mesh=mesh)
-  def train_step(state, batch):
+  def train_step(state, batch, hyper):
     batch = feed_lib.model_input(batch)
     rng = jax.random.fold_in(base_rng, state["step"])
     batch = trainer.prepare_batch(model, batch, rng, True)
@@ -234,7 +240,8 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
       loss, metrics, model_state, grads = accumulate.accumulate(
           grad_fn, state["params"], microbatches, keys)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    with hyperparams.bind(hyper):
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree_util.tree_map(
@@ -254,7 +261,8 @@ def make_train_step(trainer: Trainer, model, tx, schedule, base_rng, mesh=None,
     # The parameter norm is not a per-step metric: it is read from the state
     # when metrics are logged (run), so that the step does not read every
     # parameter once more for it.
-    metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state["step"]),
+    metrics.update(loss=loss, grad_norm=grad_norm,
+                   learning_rate=jnp.asarray(hyper["learning_rate"], jnp.float32),
                    nonfinite=(~finite).astype(jnp.float32))
     return new_state, metrics
 
@@ -380,17 +388,25 @@ class Setup:
   batch_sharding: Any
   steps_per_epoch: int
   tx: Any
-  schedule: Callable
+  schedule: Callable             # the lr schedule, traceable (optim.make_schedule)
+  hyperparams: Any               # optim.Hyperparams: the per-step values the step reads
   base_rng: jax.Array
   abstract_state: Any            # ShapeDtypeStructs carrying the state's shardings
   state_shardings: Any
-  train_step: Callable           # jitted (state, batch) -> (state, metrics), state donated
+  train_step: Callable           # jitted (state, batch, hyper) -> (state, metrics), state
+                                 # donated; hyper = self.hyper(state["step"])
   eval_step: Callable            # jitted (params, model_state, batch) -> metric sums
   init_state_fn: Callable        # rng -> state (unjitted)
   eval_view: Callable            # state -> the state evaluation sees (see eval_view)
   make_step: Callable            # num_microbatches -> a jitted train step like train_step
   abstract_batch: Any            # the training batch as ShapeDtypeStructs (aot.abstract_batch)
   batch_shards: int              # data x fsdp: the devices a batch is split over
+  abstract_hyper: Any            # the step's hyper argument as (replicated) ShapeDtypeStructs
+
+  def hyper(self, step: int) -> dict:
+    """The train step's ``hyper`` argument for the update from step counter
+    ``step`` to ``step + 1`` (host values, optim.Hyperparams.values)."""
+    return self.hyperparams.values(step)
 
   def init_state(self) -> dict:
     """A fresh state, built on the mesh (never on the host)."""
@@ -443,10 +459,10 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
     return trainer.init_variables(model, rng, init_batch)
 
   abstract_vars = jax.eval_shape(init_params_fn, base_rng)
-  tx, schedule = optim.make_optimizer(config.optim, abstract_vars["params"],
-                                      total_steps=total_steps,
-                                      steps_per_epoch=steps_per_epoch,
-                                      batch_size=config.batch_size)
+  tx, hyperparams = optim.make_train_optimizer(config.optim, abstract_vars["params"],
+                                               total_steps=total_steps,
+                                               steps_per_epoch=steps_per_epoch,
+                                               batch_size=config.batch_size)
 
   ema_decay = float(config.get("ema_decay", 0.0) or 0.0)
   init_state = init_state_fn(trainer, model, tx, init_batch, ema_decay)
@@ -462,10 +478,13 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
       abstract_state, state_shardings)
 
   # --------------------------------------------------------------- the steps
+  # The step's learning rate and weight decay (optim.Hyperparams), on every device.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
   def make_step(num_microbatches: int):
-    step = make_train_step(trainer, model, tx, schedule, base_rng, mesh, ema_decay,
+    step = make_train_step(trainer, model, tx, hyperparams, base_rng, mesh, ema_decay,
                            num_microbatches)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding, replicated),
                    out_shardings=(state_shardings, None), donate_argnums=(0,))
 
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -475,13 +494,15 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
                       accumulate.num_microbatches(config.batch_size, microbatch, batch_shards))
   eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
   return Setup(ctx=ctx, model=model, mesh=mesh, batch_sharding=batch_sharding,
-               steps_per_epoch=steps_per_epoch, tx=tx, schedule=schedule, base_rng=base_rng,
+               steps_per_epoch=steps_per_epoch, tx=tx, schedule=hyperparams.schedule,
+               hyperparams=hyperparams, base_rng=base_rng,
                abstract_state=abstract_state, state_shardings=state_shardings,
                train_step=make_step(num_microbatches), eval_step=eval_step,
                init_state_fn=init_state, eval_view=eval_view(config, state_shardings),
                make_step=make_step, batch_shards=batch_shards,
                abstract_batch=aot.abstract_batch(train_source.image_shape, config.batch_size,
-                                                 batch_sharding))
+                                                 batch_sharding),
+               abstract_hyper=hyperparams.abstract(replicated))
 
 
 def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
@@ -499,7 +520,8 @@ def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
 
   def compile_for(microbatch: int):
     step = built.make_step(batch_size // microbatch)
-    compiled, t = aot.compile_step(step, built.abstract_state, built.abstract_batch)
+    compiled, t = aot.compile_step(step, built.abstract_state, built.abstract_batch,
+                                   built.abstract_hyper)
     for k, v in t.items():
       times[k] = times.get(k, 0.0) + v
     return compiled
@@ -707,7 +729,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   for step in range(start_step + 1, stop_at + 1):
     batch, data_state = next(feed)
     profile.before(step)
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(state, batch, built.hyper(step - 1))
     profile.after(step, metrics)
     history.append(metrics)
     record = {}     # this step's one line in metrics.jsonl: log window and evaluation
