@@ -277,3 +277,39 @@ EXPECTED_OPT_STATE = {   # captured from optim.make_optimizer before the change
         "_embed': {'table': CustomNode(namedtuple[MaskedNode], [])}, 'sos': CustomNode(namedtuple"
         "[MaskedNode], [])}, 'head': {'bias': *, 'kernel': *}}]))])}]))"),
 }
+
+
+def test_eval_step_is_compiled_at_start_up_and_scores_as_the_jitted_one(tmp_path, monkeypatch):
+  from darl_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  messages, warnings = [], []
+  real_info, real_warning = loop.logging.info, loop.logging.warning
+
+  def record(into, real):
+    def log(msg, *args, **kw):
+      into.append(str(msg) % args if args else str(msg))
+      real(msg, *args, **kw)
+    return log
+
+  monkeypatch.setattr(loop.logging, "info", record(messages, real_info))
+  monkeypatch.setattr(loop.logging, "warning", record(warnings, real_warning))
+  config = tiny(4, eval_every_steps=2, ema_decay=0.0)
+  last = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "w"))
+  monkeypatch.undo()
+  compiled = [i for i, m in enumerate(messages) if m.startswith("eval step compiled (trace ")]
+  started = [i for i, m in enumerate(messages) if m.startswith("training ")]
+  assert len(compiled) == 1 and compiled[0] < started[0]
+  assert any(m.startswith("train step compiled (trace ") for m in messages[:started[0]])
+  assert not [w for w in warnings if "eval step was compiled for" in w]
+  scores = {k[len("val_"):]: v for k, v in last.items() if k.startswith("val_")}
+  assert scores
+
+  # The jitted eval step, called as before, on the final parameters.
+  trainer = pretrain.PretrainTrainer(config)
+  built = loop.setup(trainer, config)
+  params, meta = checkpoint_lib.restore_params(str(tmp_path / "w"))
+  assert meta["step"] == 4
+  state = {"params": jax.device_put(params, built.state_shardings["params"]),
+           "model_state": built.init_state()["model_state"]}
+  want = loop.evaluate(trainer, built.model, state,
+                       built.ctx.eval_source, built.eval_step, built.batch_sharding, config)
+  assert want == scores

@@ -550,6 +550,49 @@ def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
                     **times}
 
 
+def abstract_eval_batch(built: Setup, config) -> dict:
+  """The evaluation batch as ``evaluate`` feeds the eval step: the training
+  batch's entries at ``eval_batch_size`` (default ``batch_size``) rows and
+  the ``mask`` of real rows, as ShapeDtypeStructs laid out like the batch."""
+  size = config.eval_batch_size or config.batch_size
+  batch = aot.abstract_batch(built.ctx.eval_source.image_shape, size, built.batch_sharding)
+  batch["mask"] = jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=built.batch_sharding)
+  return batch
+
+
+def _signature(tree) -> tuple:
+  return (jax.tree_util.tree_structure(tree),
+          tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def compile_eval_step(built: Setup, config) -> tuple[Callable, dict]:
+  """``built.eval_step`` compiled ahead of time for the parameters, model
+  state and evaluation batch it runs on (``abstract_eval_batch``), at
+  start-up, so that the first evaluation compiles nothing. Returns ``(step,
+  seconds)``: ``step`` runs the compiled program on batches of that layout
+  and hands any other (a source with other entries) to the jitted step,
+  once with a warning; ``seconds`` as aot.compile_step's."""
+  params, model_state = built.abstract_state["params"], built.abstract_state["model_state"]
+  batch = abstract_eval_batch(built, config)
+  compiled, times = aot.compile_step(built.eval_step, params, model_state, batch)
+  expected = _signature(batch)
+  warned = []
+
+  def eval_step(params, model_state, batch):
+    if _signature(batch) == expected:
+      return compiled(params, model_state, batch)
+    if not warned:
+      warned.append(True)
+      logging.warning("the evaluation batch %s is not the one the eval step was compiled "
+                      "for (%s): it is compiled now", _signature(batch)[1], expected[1])
+    return built.eval_step(params, model_state, batch)
+
+  logging.info("eval step compiled (trace %.1f s, lower %.1f s, compile %.1f s) for batches "
+               "of %d", times["trace_s"], times["lower_s"], times["compile_s"],
+               batch["mask"].shape[0])
+  return eval_step, times
+
+
 def eval_view(config, state_shardings) -> Callable[[dict], dict]:
   """``state -> state`` as evaluation, ``extra_eval`` and ``finalize`` see it:
   with an EMA (``ema_decay > 0``) and ``eval_with_ema`` (default True) its
@@ -638,6 +681,9 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   # Compiled before the checkpoint is read or the data flows: a step that
   # cannot fit the device stops here, naming the fix.
   train_step, _ = compile_train_step(built, config)
+  if config.eval_every_steps:
+    # Beside it, the evaluation step: no evaluation compiles mid-run.
+    eval_step, _ = compile_eval_step(built, config)
   device = mesh.devices.flat[0]
   if aot.memory_stats(device):
     logging.info("device memory after compiling: %s", _memory_line(aot.memory_stats(device)))
