@@ -186,7 +186,7 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   mesh = dict(built.mesh.shape)
   fits, message = True, ""
   try:
-    compiled, info = loop.compile_train_step(built, config, device=device)
+    compiled, info = loop.compile_train_step(built, config, device=device, reuse=False)
     fp = info["footprint"]
     microbatch = info["microbatch_size"]
   except aot.DoesNotFit as e:

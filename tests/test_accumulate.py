@@ -233,13 +233,13 @@ def test_automatic_microbatch_is_the_largest_that_fits():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
   config = pretrain_config("diffusion", microbatch_size=-1)
   built = loop.setup(pretrain.PretrainTrainer(config), config)
-  _, info = loop.compile_train_step(built, config)
+  _, info = loop.compile_train_step(built, config, reuse=False)
   assert info["microbatch_size"] == 16               # CPU: no limit, the whole batch
   whole = info["footprint"]
   # A limit between the whole batch's and a quarter's footprint: a smaller
   # microbatch is chosen, and it fits.
   config.device_memory_gib = (whole.total - whole.temporaries / 2) / aot.GIB / aot.FIT_FRACTION
-  _, info = loop.compile_train_step(built, config)
+  _, info = loop.compile_train_step(built, config, reuse=False)
   assert info["microbatch_size"] < 16
   assert info["footprint"].total <= aot.FIT_FRACTION * info["capacity"]
 

@@ -82,3 +82,33 @@ def test_keys_that_do_not_reach_the_program_keep_the_key():
   other.keep_checkpoints = 1
   other.tensorboard = False
   assert executables.program_key(other, _mesh()) == base
+
+
+def test_a_rerun_of_the_same_program_loads_the_step_and_trains_the_same(tmp_path, monkeypatch,
+                                                                        caplog):
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import tiny_config  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop, pretrain  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+  caplog.set_level(py_logging.INFO)
+
+  def run(name, **overrides):
+    c = tiny_config.get_config("steps=3")
+    c.update(eval_every_steps=0, **overrides)
+    c.predictions.num_images = 0
+    caplog.clear()
+    last = loop.run(pretrain.PretrainTrainer(c), c, str(tmp_path / name))
+    return last, caplog.text
+
+  first, log = run("a")
+  assert "saved the compiled train step" in log
+  again, log = run("b", keep_checkpoints=1, checkpoint_every_steps=2)   # not the program
+  assert "loaded the compiled train step" in log and "train step compiled" not in log
+  assert again["loss"] == first["loss"] and again["param_norm"] == first["param_norm"]
+  _, log = run("c", seed=1)                          # another program
+  assert "train step compiled" in log and "loaded the compiled" not in log
+  assert len(list((tmp_path / "cache" / "executables").glob("*.bin"))) == 2

@@ -7,10 +7,15 @@ into ``<cache dir>/executables/<key>.bin`` and a rerun or resume whose key
 matches loads it instead: no tracing, lowering or compiling.
 
 The key is a digest of everything that can change the program: the resolved
-config less the keys that only say how long or how chattily a run goes
-(``NOT_PROGRAM_KEYS``), the source of every darl_jax module, the versions of
+config less the keys that only say how chattily a run goes or where it
+writes (``NOT_PROGRAM_KEYS``), the source of every darl_jax module and of
+the trainer's class (a subclass of one's own included), the versions of
 jax, jaxlib and the libraries the step calls, the devices (platform, kind,
-count, ids), the mesh and the kernels chosen. A file whose key differs is
+count, ids), the mesh and the kernels chosen. The run length and the
+optimizer keys stay in the key although the loop's learning rate is an
+input of the step: the probe grids' optimizers still read their schedule
+inside the program. Code changed outside these files by monkeypatching is
+not seen: tests turn the cache off (``DARL_COMPILED_STEP_CACHE=0``). A file whose key differs is
 never read; a file that fails to load (truncated, from another jaxlib that
 kept the same version string, ...) is removed and the step compiled as
 usual, with one log line. Files are written atomically, so a killed run
@@ -20,6 +25,7 @@ leaves none half-written.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -79,10 +85,29 @@ def program_key(config, mesh, *, kernels="", extra=None) -> str:
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def trainer_digest(trainer) -> str:
+  """The trainer's class and the source files of it and its bases (a
+  researcher's own subclass lives outside darl_jax, and its loss is traced
+  into the step)."""
+  if trainer is None:
+    return ""
+  h = hashlib.sha256()
+  for cls in type(trainer).__mro__:
+    h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    try:
+      h.update(Path(inspect.getsourcefile(cls)).read_bytes())
+    except (TypeError, OSError):
+      pass
+  return h.hexdigest()
+
+
 def cache_dir(config) -> Path | None:
   """``<compilation_cache_dir>/executables`` ("" = off; a
-  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache);
-  None where it is off or not a local path."""
+  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache;
+  DARL_COMPILED_STEP_CACHE=0 turns this cache off alone); None where it is
+  off or not a local path."""
+  if os.environ.get("DARL_COMPILED_STEP_CACHE", "1") == "0":
+    return None
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or config.get("compilation_cache_dir", "")
   if not path or "://" in path:
     return None

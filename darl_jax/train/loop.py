@@ -54,6 +54,7 @@ from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
 from darl_jax.train import accumulate
 from darl_jax.train import aot
+from darl_jax.train import executables
 from darl_jax.train import feed as feed_lib
 
 
@@ -505,20 +506,22 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
                abstract_hyper=hyperparams.abstract(replicated))
 
 
-def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
+def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
+                       trainer=None) -> tuple[Any, dict]:
   """The train step compiled ahead of time for the state and batch it runs
   on (train/aot.py), its memory checked against ``device``'s (default: the
   mesh's first) before any step runs: a step that cannot fit raises
   aot.DoesNotFit naming the fix. ``microbatch_size=-1`` is resolved here
-  (the largest microbatch that fits). Returns ``(compiled, info)``: info
-  holds the microbatch, the footprint and the phases' seconds."""
+  (the largest microbatch that fits). ``reuse``: load the step a run of the
+  same program saved (train/executables.py; ``trainer`` is part of that
+  key), else compile and save it. Returns ``(compiled, info)``: info holds
+  the microbatch, the footprint and the phases' seconds."""
   device = device if device is not None else built.mesh.devices.flat[0]
   capacity = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
   batch_size = config.batch_size
   sizes = accumulate.candidates(batch_size, built.batch_shards)
-  times = {}
 
-  def compile_for(microbatch: int):
+  def compile_for(microbatch: int, times: dict):
     step = built.make_step(batch_size // microbatch)
     compiled, t = aot.compile_step(step, built.abstract_state, built.abstract_batch,
                                    built.abstract_hyper)
@@ -526,28 +529,41 @@ def compile_train_step(built: Setup, config, device=None) -> tuple[Any, dict]:
       times[k] = times.get(k, 0.0) + v
     return compiled
 
-  requested = config.get("microbatch_size", 0)
-  if requested == -1:
-    microbatch, compiled = aot.choose_microbatch(compile_for, sizes, capacity)
-  else:
-    microbatch = requested or batch_size
-    try:
-      compiled = compile_for(microbatch)
-    except aot.CompilerOutOfMemory as e:   # the TPU compiler checks memory itself
-      raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
-                                        microbatch=microbatch, sizes=sizes)) from None
+  def compile_now():
+    times = {}
+    requested = config.get("microbatch_size", 0)
+    if requested == -1:
+      microbatch, compiled = aot.choose_microbatch(lambda b: compile_for(b, times), sizes,
+                                                   capacity)
+    else:
+      microbatch = requested or batch_size
+      try:
+        compiled = compile_for(microbatch, times)
+      except aot.CompilerOutOfMemory as e:   # the TPU compiler checks memory itself
+        raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
+                                          microbatch=microbatch, sizes=sizes)) from None
+    return compiled, {"microbatch_size": microbatch, **times}
+
+  directory = executables.cache_dir(config) if reuse else None
+  key = executables.program_key(config, built.mesh, kernels=ops.current(),
+                                extra={"trainer": executables.trainer_digest(trainer),
+                                       "capacity": capacity})
+  compiled, info = executables.load_or_compile(directory, key, compile_now,
+                                               keep=("microbatch_size",))
+  microbatch = info["microbatch_size"]
   fp = aot.footprint(compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
   estimate = aot.describe_estimate(config, dict(built.mesh.shape), microbatch)
+  how = (f"loaded in {info['loaded_s']:.1f} s" if "loaded_s" in info else
+         f"compiled (trace {info['trace_s']:.1f} s, lower {info['lower_s']:.1f} s, "
+         f"compile {info['compile_s']:.1f} s)")
   logging.info(
-      "train step compiled (trace %.1f s, lower %.1f s, compile %.1f s): %s per device%s%s; "
-      "%d microbatch(es) of %d", times["trace_s"], times["lower_s"], times["compile_s"],
+      "train step %s: %s per device%s%s; %d microbatch(es) of %d", how,
       fp.describe() if fp else "no memory analysis on this backend",
       f" of {capacity / aot.GIB:.2f} GiB" if capacity else "",
       f"; memory.py's estimate {estimate}" if estimate else "",
       batch_size // microbatch, microbatch)
-  return compiled, {"microbatch_size": microbatch, "footprint": fp, "capacity": capacity,
-                    **times}
+  return compiled, {**info, "footprint": fp, "capacity": capacity}
 
 
 def abstract_eval_batch(built: Setup, config) -> dict:
@@ -680,7 +696,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   state_shardings, eval_step = built.state_shardings, built.eval_step
   # Compiled before the checkpoint is read or the data flows: a step that
   # cannot fit the device stops here, naming the fix.
-  train_step, _ = compile_train_step(built, config)
+  train_step, _ = compile_train_step(built, config, trainer=trainer)
   if config.eval_every_steps:
     # Beside it, the evaluation step: no evaluation compiles mid-run.
     eval_step, _ = compile_eval_step(built, config)
