@@ -40,12 +40,17 @@ import sys  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8, v5e:16x16.")
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice).")
-_SAVE = flags.DEFINE_string("save", "", "Write the compiled train step here (serialized).")
-_JSON = flags.DEFINE_string("json", "", "Also append the report as one JSON line to this file.")
+
+def _define_flags() -> None:
+  """The command's flags, defined only when it runs as the command: the
+  module is also imported (tests, benchmarks) beside darl_jax.main, which
+  defines --config too."""
+  config_flags.DEFINE_config_file(
+      "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
+  flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8, v5e:16x16.")
+  flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice).")
+  flags.DEFINE_string("save", "", "Write the compiled train step here (serialized).")
+  flags.DEFINE_string("json", "", "Also append the report as one JSON line to this file.")
 
 GIB = 2.0 ** 30
 # Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s) per chip, public
@@ -244,26 +249,28 @@ def _config_arg(argv) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if not _TOPOLOGY.value:
+  f = flags.FLAGS
+  if not f.topology:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x8")
   logging.set_verbosity(logging.WARNING)
   from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
-  config = _CONFIG.value
+  config = f.config
   try:
     config_lib.validate(config)
-    devices = topology_devices(_TOPOLOGY.value, _NUM_SLICES.value)
-    report = compile_for_topology(config, devices, _TOPOLOGY.value, _SAVE.value)
+    devices = topology_devices(f.topology, f.num_slices)
+    report = compile_for_topology(config, devices, f.topology, f.save)
   except ValueError as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
   print("\n".join(report.lines()))
-  if _JSON.value:
+  if f.json:
     import json  # pylint: disable=g-import-not-at-top
-    with open(_JSON.value, "a") as f:
-      f.write(json.dumps({"config": _config_arg(sys.argv), **report.as_dict()}) + "\n")
+    with open(f.json, "a") as out:
+      out.write(json.dumps({"config": _config_arg(sys.argv), **report.as_dict()}) + "\n")
   sys.exit(0 if report.fits else 1)
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -81,6 +81,9 @@ def test_keys_that_do_not_reach_the_program_keep_the_key():
   other.checkpoint_every_steps = 9
   other.keep_checkpoints = 1
   other.tensorboard = False
+  other.total_steps = 12345                    # the schedule is an input of the step
+  other.optim.base_lr = 0.5
+  other.optim.warmup_steps = 7
   assert executables.program_key(other, _mesh()) == base
 
 
@@ -109,6 +112,8 @@ def test_a_rerun_of_the_same_program_loads_the_step_and_trains_the_same(tmp_path
   again, log = run("b", keep_checkpoints=1, checkpoint_every_steps=2)   # not the program
   assert "loaded the compiled train step" in log and "train step compiled" not in log
   assert again["loss"] == first["loss"] and again["param_norm"] == first["param_norm"]
+  _, log = run("d", total_steps=5)                   # the schedule is an input
+  assert "loaded the compiled train step" in log
   _, log = run("c", seed=1)                          # another program
   assert "train step compiled" in log and "loaded the compiled" not in log
   assert len(list((tmp_path / "cache" / "executables").glob("*.bin"))) == 2

@@ -124,11 +124,12 @@ _COMPILER_OOM = re.compile(r"temporaries \(([\d.]+)([KMGT])\) exceeds available 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
-def compile_step(jitted, *args) -> tuple[object, dict]:
-  """``jitted.lower(*args).compile()``, with the seconds of each phase.
+def compile_step(jitted, *args, traced=None) -> tuple[object, dict]:
+  """``jitted.lower(*args).compile()``, with the seconds of each phase
+  (``traced``: ``jitted.trace(*args)`` done already, its time not counted).
   Raises CompilerOutOfMemory where XLA itself says the step cannot fit."""
   t0 = time.perf_counter()
-  traced = jitted.trace(*args)
+  traced = traced if traced is not None else jitted.trace(*args)
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()

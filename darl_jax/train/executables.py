@@ -6,16 +6,17 @@ A step compiled here is serialized (``jax.experimental.serialize_executable``)
 into ``<cache dir>/executables/<key>.bin`` and a rerun or resume whose key
 matches loads it instead: no tracing, lowering or compiling.
 
-The key is a digest of everything that can change the program: the resolved
-config less the keys that only say how chattily a run goes or where it
-writes (``NOT_PROGRAM_KEYS``), the source of every darl_jax module and of
-the trainer's class (a subclass of one's own included), the versions of
-jax, jaxlib and the libraries the step calls, the devices (platform, kind,
-count, ids), the mesh and the kernels chosen. The run length and the
-optimizer keys stay in the key although the loop's learning rate is an
-input of the step: the probe grids' optimizers still read their schedule
-inside the program. Code changed outside these files by monkeypatching is
-not seen: tests turn the cache off (``DARL_COMPILED_STEP_CACHE=0``). A file whose key differs is
+The key is a digest of the traced step's jaxpr (tracing takes seconds; it
+is lowering and compiling that a match skips) and of everything that can
+change the program without showing in it: the resolved config less the keys
+that do not reach the program (``NOT_PROGRAM_KEYS``: run length and
+cadence, where things are written; ``NOT_PROGRAM_OPTIM_KEYS``: the
+schedule's scalars, inputs of the step, or literals of the jaxpr where a
+program reads them), the source of every darl_jax module and of the
+trainer's class (custom gradient rules are not in a jaxpr's text), the
+versions of jax, jaxlib and the libraries the step calls, the devices
+(platform, kind, count, ids), the mesh and the kernels chosen. The tests
+turn the cache off (``DARL_COMPILED_STEP_CACHE=0``) but where they test it. A file whose key differs is
 never read; a file that fails to load (truncated, from another jaxlib that
 kept the same version string, ...) is removed and the step compiled as
 usual, with one log line. Files are written atomically, so a killed run
@@ -40,11 +41,16 @@ from absl import logging
 PACKAGE = Path(__file__).resolve().parents[1]
 # Config keys that do not reach the train step's program: run length and
 # cadence, where things are written, and what is only read on the host.
-NOT_PROGRAM_KEYS = ("stop_after_steps", "log_every_steps",
+NOT_PROGRAM_KEYS = ("total_steps", "total_epochs", "stop_after_steps", "log_every_steps",
                     "checkpoint_every_steps", "eval_every_steps", "eval_max_batches",
                     "keep_checkpoints", "compilation_cache_dir", "tensorboard", "profile",
                     "init_from", "init_step", "predictions", "skip_nonfinite",
                     "eval_batch_size")
+# The schedule's scalars: inputs of the loop's step (optim.Hyperparams), and
+# where a program does read them (the probe grids' own optimizers) they are
+# literals of its jaxpr, which is part of the key.
+NOT_PROGRAM_OPTIM_KEYS = ("base_lr", "lr_scaling", "warmup_steps", "warmup_epochs",
+                          "end_lr_fraction", "weight_decay")
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "jax-cuda12-plugin", "jax-cuda13-plugin",
              "libtpu")
 
@@ -70,6 +76,8 @@ def program_key(config, mesh, *, kernels="", extra=None) -> str:
   resolved = json.loads(json.dumps(config.to_dict(), default=str))
   for key in NOT_PROGRAM_KEYS:
     resolved.pop(key, None)
+  for key in NOT_PROGRAM_OPTIM_KEYS:
+    resolved.get("optim", {}).pop(key, None)
   devices = mesh.devices.flat
   parts = {
       "config": resolved,
@@ -83,6 +91,14 @@ def program_key(config, mesh, *, kernels="", extra=None) -> str:
       "extra": extra,
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def jaxpr_digest(traced) -> str:
+  """Digest of a traced step's jaxpr (``jitted.trace(...)``): any change of
+  the program's operations, shapes or literal constants changes it. Array
+  constants are not in its text; they come from the config, the other part
+  of the key."""
+  return hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()
 
 
 def trainer_digest(trainer) -> str:

@@ -521,17 +521,25 @@ def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
   batch_size = config.batch_size
   sizes = accumulate.candidates(batch_size, built.batch_shards)
 
+  args = (built.abstract_state, built.abstract_batch, built.abstract_hyper)
+  requested = config.get("microbatch_size", 0)
+  # The program a saved step must match: traced first (seconds), its jaxpr
+  # part of the key; lowering and compiling are what a match skips.
+  first = batch_size if requested == -1 else (requested or batch_size)
+  t0 = time.perf_counter()
+  traced = built.make_step(batch_size // first).trace(*args)
+  trace_s = time.perf_counter() - t0
+
   def compile_for(microbatch: int, times: dict):
     step = built.make_step(batch_size // microbatch)
-    compiled, t = aot.compile_step(step, built.abstract_state, built.abstract_batch,
-                                   built.abstract_hyper)
+    compiled, t = aot.compile_step(step, *args,
+                                   traced=traced if microbatch == first else None)
     for k, v in t.items():
       times[k] = times.get(k, 0.0) + v
     return compiled
 
   def compile_now():
-    times = {}
-    requested = config.get("microbatch_size", 0)
+    times = {"trace_s": trace_s}
     if requested == -1:
       microbatch, compiled = aot.choose_microbatch(lambda b: compile_for(b, times), sizes,
                                                    capacity)
@@ -546,7 +554,8 @@ def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
 
   directory = executables.cache_dir(config) if reuse else None
   key = executables.program_key(config, built.mesh, kernels=ops.current(),
-                                extra={"trainer": executables.trainer_digest(trainer),
+                                extra={"program": executables.jaxpr_digest(traced),
+                                       "trainer": executables.trainer_digest(trainer),
                                        "capacity": capacity})
   compiled, info = executables.load_or_compile(directory, key, compile_now,
                                                keep=("microbatch_size",))
@@ -554,7 +563,8 @@ def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
   fp = aot.footprint(compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
   estimate = aot.describe_estimate(config, dict(built.mesh.shape), microbatch)
-  how = (f"loaded in {info['loaded_s']:.1f} s" if "loaded_s" in info else
+  how = (f"traced in {trace_s:.1f} s and loaded in {info['loaded_s']:.1f} s"
+         if "loaded_s" in info else
          f"compiled (trace {info['trace_s']:.1f} s, lower {info['lower_s']:.1f} s, "
          f"compile {info['compile_s']:.1f} s)")
   logging.info(
