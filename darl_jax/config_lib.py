@@ -87,7 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
       "label_column": "label", "num_classes": 0,
       # name="mixture": "spec=weight,spec=weight" (or (spec, weight) pairs),
       # spec a source name or a path (data/mixture.py).
-      "mixture": None})
+      "mixture": placeholder(str)})
 
   c.model = ml_collections.ConfigDict({
       "variant": "Ti/4", "width": 0, "depth": 0, "num_heads": 0, "mlp_dim": 0,

@@ -16,9 +16,8 @@ _CACHE = os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# Saved train-step executables (train/executables.py) are keyed by the
-# package's code, not by what a test monkeypatches: off, except where a test
-# turns them on.
+# Saved train-step executables (train/executables.py): off, as by default,
+# except where a test turns them on.
 os.environ.setdefault("DARL_COMPILED_STEP_CACHE", "0")
 # The tests run JAX on the CPU. Where libtpu is installed (the tpu extra, for
 # the ahead-of-time TPU compile tests) JAX would otherwise load it as a

@@ -31,7 +31,6 @@ def get_config(arg=None):
   fine-tuning (3 steps) of tests/tiny_config.py's mu/2 backbone on RGB 8x8."""
   sys.path.insert(0, str(ROOT / "tests"))
   import tiny_config
-  from ml_collections import config_dict
   from darl_jax.train import finetune
   if arg == "finetune":
     c = finetune.finetune_config()
@@ -46,11 +45,6 @@ def get_config(arg=None):
     c.update(checkpoint_every_steps=2, eval_every_steps=0)
     c.predictions.num_images = 0
   c.data.update(image_size=8, channels=3, augment="spatial", num_workers=0)
-  if c.data.mixture is None:
-    # config_lib's data.mixture default is a plain None, which a command line
-    # cannot override (ml_collections refuses NoneType): typed here until it
-    # is placeholder(str) there.
-    c.data.mixture = config_dict.placeholder(str)
   c.model.update(image_size=8, channels=3)
   return c
 

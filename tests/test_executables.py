@@ -117,3 +117,12 @@ def test_a_rerun_of_the_same_program_loads_the_step_and_trains_the_same(tmp_path
   _, log = run("c", seed=1)                          # another program
   assert "train step compiled" in log and "loaded the compiled" not in log
   assert len(list((tmp_path / "cache" / "executables").glob("*.bin"))) == 2
+
+
+def test_the_saved_step_cache_is_off_unless_asked_for(monkeypatch, tmp_path):
+  c = config_lib.pretrain_config()
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("DARL_COMPILED_STEP_CACHE", raising=False)
+  assert executables.cache_dir(c) is None
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+  assert executables.cache_dir(c) == tmp_path / "executables"

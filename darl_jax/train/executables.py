@@ -15,8 +15,12 @@ schedule's scalars, inputs of the step, or literals of the jaxpr where a
 program reads them), the source of every darl_jax module and of the
 trainer's class (custom gradient rules are not in a jaxpr's text), the
 versions of jax, jaxlib and the libraries the step calls, the devices
-(platform, kind, count, ids), the mesh and the kernels chosen. The tests
-turn the cache off (``DARL_COMPILED_STEP_CACHE=0``) but where they test it. A file whose key differs is
+(platform, kind, count, ids), the mesh and the kernels chosen. Off by default, on with ``DARL_COMPILED_STEP_CACHE=1``: with jax 0.10.2 on
+the CPU, an executable saved by one process and loaded by another
+deserializes but fails at its first call (``NOT_FOUND: Function
+convert_power_fusion not found``; the same process loads and runs it
+fine), and on GPUs a load in a new process has not been tried yet. Until a
+new process's load is shown to run on a backend, the loop compiles. A file whose key differs is
 never read; a file that fails to load (truncated, from another jaxlib that
 kept the same version string, ...) is removed and the step compiled as
 usual, with one log line. Files are written atomically, so a killed run
@@ -119,10 +123,10 @@ def trainer_digest(trainer) -> str:
 
 def cache_dir(config) -> Path | None:
   """``<compilation_cache_dir>/executables`` ("" = off; a
-  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache;
-  DARL_COMPILED_STEP_CACHE=0 turns this cache off alone); None where it is
-  off or not a local path."""
-  if os.environ.get("DARL_COMPILED_STEP_CACHE", "1") == "0":
+  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache),
+  only with DARL_COMPILED_STEP_CACHE=1 (see the module docstring: off by
+  default); None where it is off or not a local path."""
+  if os.environ.get("DARL_COMPILED_STEP_CACHE", "0") != "1":
     return None
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or config.get("compilation_cache_dir", "")
   if not path or "://" in path:
