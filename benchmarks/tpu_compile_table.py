@@ -76,7 +76,7 @@ def compile_rows(out: str) -> None:
 
 
 def render(out: str) -> str:
-  lines = ["| config | slice | mesh (data x fsdp) | per chip | fits? | compiled GiB / HBM | "
+  lines = ["| config | slice | mesh (data x fsdp) | per chip (microbatch) | fits? | compiled GiB / HBM | "
            "memory.py GiB | XLA step ms | implied MFU | 800 epochs |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for line in open(out):
@@ -91,8 +91,11 @@ def render(out: str) -> str:
     hours = (f"{steps * r['xla_seconds'] / 3600:.1f} h" if r["xla_seconds"] else "-")
     mfu = f"{r['mfu']:.2f}" if r["mfu"] else "-"
     ms = f"{r['xla_seconds'] * 1e3:.0f}" if r["xla_seconds"] else "-"
+    compiled = f"{r['train_gib']:.1f}"
+    if not r["arguments_gib"]:
+      compiled += " (temporaries; the compiler refused)"
     lines.append(f"| {name} | {r['topology']} ({r['chips']} chips) | {mesh} | {per_chip} | "
-                 f"{'yes' if r['fits'] else '**no**'} | {r['train_gib']:.1f} / "
+                 f"{'yes' if r['fits'] else '**no**'} | {compiled} / "
                  f"{r['hbm_gib']:.0f} | {r['estimate'] or '-'} | {ms} | {mfu} | {hours} |")
   return "\n".join(lines)
 

@@ -210,6 +210,10 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   cost = compiled.cost_analysis() if compiled is not None else None
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   seconds = xla_step_seconds(cost, device.device_kind)
+  if seconds and microbatch < config.batch_size:
+    # XLA's cost analysis counts a loop's body once: the microbatch scan
+    # runs it batch / microbatch times.
+    seconds *= config.batch_size // microbatch
 
   eval_fp = None
   h, w, c = built.ctx.train_source.image_shape
