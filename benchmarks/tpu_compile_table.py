@@ -39,6 +39,7 @@ ROWS = [  # (config, topology, overrides)
     # Fine-tuning at the paper's batch (a random backbone: the program is the same).
     ("experiments/finetune_in1k.py:variant=L/16", "v5p:4x4x4", ()),
     ("experiments/finetune_in1k.py:variant=H/14", "v5p:4x4x4", ("--config.sharding=fsdp",
+                                                               "--config.mesh.data=-1",
                                                                "--config.mesh.fsdp=4")),
 ]
 EPOCHS = 800
