@@ -186,7 +186,7 @@ def load_or_compile(directory: Path | None, key: str,
     if loaded is not None:
       compiled, info = loaded
       info["loaded_s"] = time.perf_counter() - t0
-      logging.info("loaded the compiled train step %s in %.1f s (no trace, lower or compile)",
+      logging.info("loaded the compiled train step %s in %.1f s (no lowering or compiling)",
                    path.name, info["loaded_s"])
       return compiled, info
   compiled, info = compile_fn()

@@ -553,10 +553,12 @@ def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
     return compiled, {"microbatch_size": microbatch, **times}
 
   directory = executables.cache_dir(config) if reuse else None
-  key = executables.program_key(config, built.mesh, kernels=ops.current(),
-                                extra={"program": executables.jaxpr_digest(traced),
-                                       "trainer": executables.trainer_digest(trainer),
-                                       "capacity": capacity})
+  # The key (the jaxpr's text, the package's source) only where it is used:
+  # the saved-step cache is off by default.
+  key = "" if directory is None else executables.program_key(
+      config, built.mesh, kernels=ops.current(),
+      extra={"program": executables.jaxpr_digest(traced),
+             "trainer": executables.trainer_digest(trainer), "capacity": capacity})
   compiled, info = executables.load_or_compile(directory, key, compile_now,
                                                keep=("microbatch_size",))
   microbatch = info["microbatch_size"]
