@@ -24,9 +24,11 @@ unlinked: Python's resource tracker then warns about "leaked shared_memory
 objects", and a killed run leaves the segments in /dev/shm. ``StepIterator``
 therefore maps every batch's memory into a plain numpy array of its own as
 it arrives and unlinks the segment's name at once (no copy, ``_remap``), so
-no name outlives its delivery; the ones still in flight are released by ``close()``, which also runs at
-interpreter exit for every iterator left open, and workers end within a
-second of their parent's death (``_DieWithParent``).
+no name outlives its delivery; the ones still in flight are released by
+``close()``, which also runs at interpreter exit for every iterator left
+open. When the parent is killed (SIGKILL), its workers end within a second
+and unlink the segments they made that are still there (``_DieWithParent``),
+so nothing is left and Python's resource tracker finds nothing to warn of.
 
 Sources that cannot address a step directly (the tf.data TFDS path) keep
 their own sequential iterator, wrapped to the same interface
@@ -36,6 +38,7 @@ their own sequential iterator, wrapped to the same interface
 from __future__ import annotations
 
 import atexit
+import collections
 import mmap
 import os
 import threading
@@ -133,23 +136,72 @@ def own_batch(batch):
 class _DieWithParent:
   """Grain worker init: a daemon thread ends the worker (``os._exit``) once
   the training process that started it is gone (killed, even by SIGKILL),
-  so that no orphan keeps producing shared memory; the resource tracker
-  then unlinks what was in flight. (Not ``PR_SET_PDEATHSIG``: Grain starts
-  its workers from short-lived threads, and that signal fires when the
-  starting thread ends, killing healthy workers mid-batch.)"""
+  so that no orphan keeps producing shared memory. (Not
+  ``PR_SET_PDEATHSIG``: Grain starts its workers from short-lived threads,
+  and that signal fires when the starting thread ends, killing healthy
+  workers mid-batch.)
+
+  Before it exits, the worker unlinks the segments it made that are still
+  in /dev/shm (batches in flight: queued, or received by the parent but not
+  yet unlinked by ``_remap``) and takes them off Python's resource tracker.
+  The tracker, shared by the parent and its workers, would otherwise unlink
+  them itself once the last of them is gone, warning about "leaked
+  shared_memory objects" for a run that leaked nothing. It stays the
+  safety net for a worker that dies without cleaning up (the OOM killer):
+  its segments are still registered, the tracker unlinks them, and that
+  warning is then a true one. Segment names are random (``psm_`` and 8 hex
+  digits), so an unlink of a name the parent already unlinked fails with
+  FileNotFoundError and touches nothing else."""
+
+  # Names kept per worker: far more than its batches in flight (its buffer
+  # of ``per_worker_buffer_size`` batches, a few arrays each).
+  KEEP = 256
 
   def __init__(self):
     self.parent_pid = os.getpid()
 
   def __call__(self, worker_index: int, worker_count: int) -> None:
     del worker_index, worker_count
+    from multiprocessing import resource_tracker  # pylint: disable=g-import-not-at-top
+    self._made: collections.deque = collections.deque(maxlen=self.KEEP)
+    self._lock = threading.Lock()
+    self._ending = False
+    self._register = resource_tracker.register
+    self._unregister = resource_tracker.unregister
+    resource_tracker.register = self._register_and_remember
     threading.Thread(target=self._watch, daemon=True, name="darl-parent-watch").start()
+
+  def _register_and_remember(self, name: str, rtype: str) -> None:
+    if rtype != "shared_memory":
+      self._register(name, rtype)
+      return
+    with self._lock:
+      if self._ending:      # made while the worker ends: never handed over
+        _unlink_segment(name)
+        return
+      self._register(name, rtype)
+      self._made.append(name)
 
   def _watch(self) -> None:
     while True:
       time.sleep(PARENT_POLL_S)
       if os.getppid() != self.parent_pid:
+        with self._lock:
+          self._ending = True
+          for name in self._made:
+            if _unlink_segment(name):
+              self._unregister(name, "shared_memory")
         os._exit(1)   # pylint: disable=protected-access  # no cleanup: the parent is gone
+
+
+def _unlink_segment(name: str) -> bool:
+  """Unlinks the POSIX shared-memory segment ``name``; False if it was gone."""
+  try:
+    import _posixshmem  # pylint: disable=g-import-not-at-top  # CPython's, as multiprocessing uses
+    _posixshmem.shm_unlink(name if name.startswith("/") else "/" + name)
+    return True
+  except (ImportError, OSError):
+    return False
 
 
 def _drain_shared_memory_deletes() -> None:
