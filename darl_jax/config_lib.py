@@ -85,6 +85,10 @@ def base_config() -> ml_collections.ConfigDict:
       "eval_path": placeholder(str), "label_key": "label",
       "index_cache_dir": placeholder(str), "image_column": "image",
       "label_column": "label", "num_classes": 0,
+      # Sharded sources with several processes: "own" = each process reads
+      # only its own training files (p, p + P, ...), "all" = every process
+      # reads its slice of one global stream (data/encoded.py).
+      "process_files": "own",
       # name="mixture": "spec=weight,spec=weight" (or (spec, weight) pairs),
       # spec a source name or a path (data/mixture.py).
       "mixture": placeholder(str)})

@@ -123,7 +123,8 @@ def test_unlabeled_records_keys_and_hash_split(tmp_path):
 def test_the_index_is_cached(converted, monkeypatch):
   dst, out = converted
   path = out["train"][0]
-  assert os.path.exists(path + shards.INDEX_SUFFIX)   # written by the tests above
+  build_source(cfg(path=path), split="train", seed=0)      # builds the index if no test did
+  assert os.path.exists(path + shards.INDEX_SUFFIX)
   calls = []
   real = arrayrecord_source.index_file
   monkeypatch.setattr(arrayrecord_source, "index_file", lambda p: calls.append(p) or real(p))

@@ -40,9 +40,7 @@ import posixpath
 from typing import Any, Optional
 
 import numpy as np
-from absl import logging
 
-from darl_jax.data import augment as aug
 from darl_jax.data import encoded, shards
 from darl_jax.data.base import cfg_get, warn_once
 
@@ -143,9 +141,11 @@ class ArrayRecordSource(encoded.EncodedSource):
 def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
   pattern, hashed = encoded.split_files(config, split, "arrayrecord")
   files = shards.expand(pattern, "data.path" if split == "train" or hashed else "data.eval_path")
+  owner = encoded.file_owner(config, split, len(files), pattern)
   cache_dir = cfg_get(config, "index_cache_dir", None)
-  file_ids, positions, raw_labels, keys = [], [], [], []
-  for f, path in enumerate(files):
+  file_ids, positions, labels, keys = [], [], [], []
+  for f in encoded.files_to_index(len(files), owner, hashed):
+    path = files[f]
     index = shards.cached_index(path, index_file, INDEX_KIND, cache_dir)
     bad = set(index["bad"])
     if bad:
@@ -158,28 +158,15 @@ def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
         continue
       file_ids.append(f)
       positions.append(p)
-      raw_labels.append(label)
+      labels.append(-1 if label is None else int(label))
       keys.append(key if key is not None else f"{base}:{p}")
   if not keys:
     raise ValueError(f"the {len(files)} ArrayRecord file(s) of {pattern!r} hold no image "
                      f"records; write them with `python -m darl_jax.data.convert "
                      f"--format=arrayrecord --src=<image folder> --dst=<dir>`")
-  chosen = np.arange(len(keys))
-  if hashed:
-    chosen = encoded.hash_split(keys, split, cfg_get(config, "val_split_size", None), pattern)
-  raw = [raw_labels[i] for i in chosen]
-  has_labels = all(v is not None for v in raw)
-  if not has_labels and any(v is not None for v in raw):
-    warn_once(("partial labels", pattern), "%d of the %d records of %s have no label: the "
-              "split is read as unlabeled", sum(v is None for v in raw), len(raw), pattern)
-  labels = np.asarray([int(v) for v in raw] if has_labels else np.zeros(len(raw)), np.int32)
-  logging.info("arrayrecord %s (%s): %d records in %d file(s)%s", pattern, split, len(chosen),
-               len(files), "" if has_labels else ", unlabeled")
-  return ArrayRecordSource(
-      files, np.asarray(file_ids, np.int32)[chosen], np.asarray(positions, np.int64)[chosen],
-      labels=labels, num_classes=encoded.num_classes_of(config, labels, has_labels),
-      names=[keys[i] for i in chosen],
-      image_size=int(cfg_get(config, "image_size", 64)),
-      channels=int(cfg_get(config, "channels", 3)),
-      augment=cfg_get(config, "augment", "none"), seed=seed,
-      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
+  file_ids = np.asarray(file_ids, np.int32)
+  chosen = encoded.select(config, split, kind="arrayrecord", pattern=pattern, hashed=hashed,
+                          owner=owner, num_files=len(files), file_ids=file_ids, keys=keys,
+                          labels=labels, what="record")
+  return encoded.make(ArrayRecordSource, config, seed, chosen, keys, files,
+                      file_ids[chosen.rows], np.asarray(positions, np.int64)[chosen.rows])

@@ -84,6 +84,24 @@ def num_eval_batches(num: int, local_batch: int, process_count: int) -> int:
   return math.ceil(math.ceil(num / process_count) / local_batch)
 
 
+def this_process() -> tuple[int, int]:
+  """(jax.process_index(), jax.process_count()) of this training process.
+  jax is imported here, when a source that splits its files by process is
+  built, never in the pipeline's worker processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index(), jax.process_count()
+
+
+def gather_ints(values: list[int], process_count: int) -> np.ndarray:
+  """int64 [P, len(values)]: every process's ``values``, in process order (a
+  collective: all processes call it together; one row for one process)."""
+  values = np.asarray([values], np.int64)
+  if process_count == 1:
+    return values
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(process_count, -1)
+
+
 def pad_batch(batch: Batch, size: int, image_shape) -> Batch:
   """Pads an eval batch to ``size`` rows; adds ``mask`` (False on padding).
 

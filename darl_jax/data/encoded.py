@@ -13,11 +13,23 @@ A record that cannot be read or decoded (a truncated member, bytes that are
 no image) is logged once per process and replaced by the next readable
 example, as image folders do; the count of bad records met so far is in the
 log line.
+
+Files and processes (``data.process_files``): with "own" (the default) and
+P > 1 training processes, process p reads the training files ``p, p + P,
+p + 2P, ...`` of the sorted file list and nothing else: it indexes only them
+(when ``data.eval_path`` is set; a hash split needs every file's keys) and
+its training stream is its own (indexed.py). Epochs and schedules count the
+examples of all processes (gathered once at build time). "all": every
+process indexes every file and takes its slice of one global stream, so a
+P-process batch equals a 1-process one (at the cost of each host touching
+every shard). Validation and test splits are read by all processes, each its
+slice, either way.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import io
 from typing import Any, Optional, Sequence
@@ -27,7 +39,7 @@ from absl import logging
 
 from darl_jax.data import augment as aug
 from darl_jax.data import image_folder
-from darl_jax.data.base import cfg_get, warn_once
+from darl_jax.data.base import cfg_get, gather_ints, this_process, warn_once
 from darl_jax.data.indexed import IndexedSource
 
 
@@ -54,8 +66,8 @@ class EncodedSource(IndexedSource):
                                     crop_scale=self.crop_scale)
 
   def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
-    for offset in range(self.num_examples):
-      i = (index + offset) % self.num_examples
+    for offset in range(self.size):
+      i = (index + offset) % self.size
       if i in self._bad:
         continue
       try:
@@ -112,13 +124,109 @@ def split_files(config: Any, split: str, what: str) -> tuple[str, bool]:
   return path, True
 
 
-def num_classes_of(config: Any, labels: np.ndarray, has_labels: bool) -> int:
-  """``data.num_classes`` when set (> 0), else max label + 1; 0 unlabeled."""
+def num_classes_of(config: Any, found: int, has_labels: bool) -> int:
+  """``data.num_classes`` when set (> 0), else ``found`` (max label + 1); 0
+  unlabeled."""
   given = int(cfg_get(config, "num_classes", 0) or 0)
   if not has_labels:
     return 0
-  found = int(labels.max()) + 1 if len(labels) else 0
   if given and found > given:
     raise ValueError(f"a label is {found - 1} but data.num_classes={given}: "
                      f"raise data.num_classes or set it to 0 (from the labels)")
   return given or found
+
+
+PROCESS_FILES = ("own", "all")
+
+
+def file_owner(config: Any, split: str, num_files: int,
+               pattern: str) -> Optional[tuple[int, int]]:
+  """(p, P) when this process reads only its own files of ``split`` (the
+  module docstring), else None."""
+  mode = cfg_get(config, "process_files", "own")
+  if mode not in PROCESS_FILES:
+    raise ValueError(f"data.process_files must be one of {', '.join(PROCESS_FILES)}, "
+                     f"got {mode!r}")
+  if split != "train" or mode == "all":
+    return None
+  p, count = this_process()
+  if count == 1:
+    return None
+  if num_files < count:
+    raise ValueError(f"{pattern!r} has {num_files} file(s) for {count} processes, and each "
+                     f"process reads its own files (data.process_files='own'): write at "
+                     f"least {count} shards (python -m darl_jax.data.convert --shard_size=...) "
+                     f"or set data.process_files='all'")
+  return p, count
+
+
+def files_to_index(num_files: int, owner: Optional[tuple[int, int]], hashed: bool) -> list[int]:
+  """The files a builder lists: its own, unless a hash split needs every key."""
+  if owner is None or hashed:
+    return list(range(num_files))
+  return list(range(owner[0], num_files, owner[1]))
+
+
+@dataclasses.dataclass
+class Selection:
+  """The examples of one split, chosen from a listing of files."""
+  rows: np.ndarray                      # into the listing
+  labels: np.ndarray                    # int32, 0 when unlabeled
+  num_classes: int
+  owner: Optional[tuple[int, int]]
+  process_examples: Optional[list[int]]
+
+
+def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
+           owner: Optional[tuple[int, int]], num_files: int, file_ids: np.ndarray,
+           keys: Sequence[str], labels: np.ndarray, what: str) -> Selection:
+  """The examples of ``split`` from a listing: the hash split (when ``hashed``),
+  this process's own files (when ``owner``), labels (``labels`` int, -1 where
+  an example has none: a split with any such is unlabeled, with one warning
+  when only some are), and the log line."""
+  if not len(keys):
+    raise ValueError(f"the {kind} file(s) of {pattern!r} hold no {what}s")
+  rows = np.arange(len(keys))
+  if hashed:
+    rows = hash_split(keys, split, cfg_get(config, "val_split_size", None), pattern)
+  if owner is not None:
+    rows = rows[np.asarray(file_ids)[rows] % owner[1] == owner[0]]
+  raw = np.asarray(labels, np.int64)[rows]
+  missing = int((raw < 0).sum())
+  found = int(raw.max()) + 1 if len(raw) else 0
+  counts = None
+  if owner is not None:   # what the processes' own files hold together
+    everyone = gather_ints([len(rows), missing, found], owner[1])
+    counts = [int(n) for n in everyone[:, 0]]
+    if min(counts) == 0:
+      raise ValueError(f"process {counts.index(0)} of {owner[1]} has no {what}s among its "
+                       f"files of {pattern!r}: write more shards, or set "
+                       f"data.process_files='all'")
+    missing, found = int(everyone[:, 1].sum()), int(everyone[:, 2].max())
+  total = len(rows) if counts is None else sum(counts)
+  has_labels = missing == 0
+  if missing and missing < total:
+    warn_once(("partial labels", pattern), "%d of the %d %ss of %s have no label: the "
+              "split is read as unlabeled", missing, total, what, pattern)
+  labels = raw.astype(np.int32) if has_labels else np.zeros(len(raw), np.int32)
+  mine = "" if owner is None else (
+      f"; this process reads its own {len(range(owner[0], num_files, owner[1]))} file(s) "
+      f"(process {owner[0]} of {owner[1]}), {len(rows)} {what}s")
+  logging.info("%s %s (%s): %d %ss in %d file(s)%s%s", kind, pattern, split, total, what,
+               num_files, "" if has_labels else ", unlabeled", mine)
+  return Selection(rows, labels, num_classes_of(config, found, has_labels), owner, counts)
+
+
+def make(cls, config: Any, seed: int, selection: Selection, names: Sequence[str], *args,
+         **kwargs) -> EncodedSource:
+  """``cls(*args, **kwargs)`` with the selection's labels and ``data``'s image
+  settings; marked as this process's own files when it is."""
+  source = cls(*args, labels=selection.labels, num_classes=selection.num_classes,
+               names=[names[i] for i in selection.rows],
+               image_size=int(cfg_get(config, "image_size", 64)),
+               channels=int(cfg_get(config, "channels", 3)),
+               augment=cfg_get(config, "augment", "none"), seed=seed,
+               crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE), **kwargs)
+  if selection.owner is not None:
+    source.own_files(selection.owner[0], selection.process_examples)
+  return source

@@ -35,11 +35,9 @@ import posixpath
 from typing import Any, Optional
 
 import numpy as np
-from absl import logging
 
-from darl_jax.data import augment as aug
 from darl_jax.data import encoded
-from darl_jax.data.base import cfg_get, warn_once
+from darl_jax.data.base import cfg_get
 
 INSTALL = 'pip install -c constraints.txt -e ".[hf]"'
 SPLIT_NAMES = {"train": ("train",), "validation": ("validation", "val", "valid"),
@@ -194,24 +192,11 @@ def build(config: Any, *, split: str, seed: int) -> HfDiskSource:
   if not n:
     raise ValueError(f"the dataset at {where} has no rows")
   keys = [f"{posixpath.basename(str(path).rstrip('/'))}:{i}" for i in range(n)]
-  chosen = np.arange(n)
-  if hashed:
-    chosen = encoded.hash_split(keys, split, cfg_get(config, "val_split_size", None), path)
-  has_labels = values is not None and bool(np.all(values[chosen] >= 0))
-  if values is not None and not has_labels:
-    missing = int(np.sum(values[chosen] < 0))
-    warn_once(("partial labels", where), "%d of the %d rows of %s have no label (missing or "
-              "negative): the split is read as unlabeled", missing, len(chosen), where)
-  labels = values[chosen].astype(np.int32) if has_labels else np.zeros(len(chosen), np.int32)
-  num_classes = encoded.num_classes_of(config, labels, has_labels)
-  if has_labels and classes and not int(cfg_get(config, "num_classes", 0) or 0):
-    num_classes = max(num_classes, classes)
-  logging.info("hf_disk %s (%s): %d rows%s", where, split, len(chosen),
-               "" if has_labels else ", unlabeled")
-  return HfDiskSource(
-      source_path, name, image_column, chosen,
-      labels=labels, num_classes=num_classes, names=[keys[i] for i in chosen],
-      image_size=int(cfg_get(config, "image_size", 64)),
-      channels=int(cfg_get(config, "channels", 3)),
-      augment=cfg_get(config, "augment", "none"), seed=seed,
-      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
+  labels = np.full(n, -1, np.int64) if values is None else values
+  chosen = encoded.select(config, split, kind="hf_disk", pattern=where, hashed=hashed,
+                          owner=None, num_files=1, file_ids=np.zeros(n, np.int32), keys=keys,
+                          labels=labels, what="row")
+  if chosen.num_classes and classes and not int(cfg_get(config, "num_classes", 0) or 0):
+    chosen.num_classes = max(chosen.num_classes, classes)    # the ClassLabel's count
+  return encoded.make(HfDiskSource, config, seed, chosen, keys, source_path, name,
+                      image_column, chosen.rows)

@@ -77,6 +77,11 @@ def split(source, size: int) -> tuple[indexed.IndexedSource, indexed.IndexedSour
         f"a held-out part needs a source addressable by index (in-memory or image "
         f"folder); {type(source).__name__} is not: set --config.probe.holdout_size=0 "
         f"and a grid of one setting")
+  if getattr(source, "owner", None) is not None:
+    raise ValueError(
+        "a held-out part is drawn from the whole training split, but this process reads "
+        "only its own files of it: set --config.data.process_files=all (or "
+        "--config.probe.holdout_size=0 and a grid of one setting)")
   size = resolve_size(size, source.num_examples)
   held = held_out_rows(source.num_examples, size)
   keep = np.setdiff1d(np.arange(source.num_examples), held)

@@ -15,6 +15,16 @@ reproduces the uninterrupted run exactly: a checkpoint needs only the step.
 ``train_batch(step)`` builds any step's batch directly; the Grain pipeline
 (pipeline.py) runs it in worker processes.
 The 1-process batch equals the concatenation of the P process batches.
+
+Files owned by processes (``data.process_files="own"``, encoded.py): a
+sharded source's training split read by P > 1 processes gives process p
+only its own files. Its stream is then its own: epoch e is its examples in
+the order of ``default_rng(SeedSequence([seed, e, p]))``, step s takes its
+positions ``[s * b, (s + 1) * b)``, and the crop counter of own position j
+is ``j * P + p`` (distinct over processes). ``num_examples`` is the sum over
+all processes (what epochs and schedules count), ``size`` this process's
+share. Still a pure function of (seed, step, P): resume holds; the batch no
+longer equals a 1-process run's.
 """
 
 from __future__ import annotations
@@ -44,7 +54,12 @@ class IndexedSource(DataSource):
     if channels not in (1, 3):
       raise ValueError(f"channels must be 1 or 3, got {channels}")
     self.labels = np.asarray(labels, np.int32)
-    self.num_examples = int(len(self.labels))
+    # Examples this source holds; num_examples counts all processes' when
+    # they own their files (see the module docstring), else the same.
+    self.size = int(len(self.labels))
+    self.num_examples = self.size
+    self.owner: Optional[tuple[int, int]] = None
+    self.process_examples: Optional[list[int]] = None
     self.num_classes = int(num_classes)
     self.image_shape = (int(image_size), int(image_size), int(channels))
     self.augment = augment
@@ -68,30 +83,71 @@ class IndexedSource(DataSource):
 
   # -- training -------------------------------------------------------------
 
+  def own_files(self, process_index: int, process_examples: list[int]) -> None:
+    """Marks this source as process ``process_index``'s own files, of
+    ``process_examples`` (every process's ``size``) examples in all."""
+    if process_examples[process_index] != self.size:
+      raise ValueError(f"process {process_index} holds {self.size} examples, not "
+                       f"{process_examples[process_index]}")
+    self.owner = (int(process_index), len(process_examples))
+    self.process_examples = [int(n) for n in process_examples]
+    self.num_examples = sum(self.process_examples)
+
+  def _check_owner(self, process_index: int, process_count: int) -> None:
+    if self.owner is not None and self.owner != (process_index, process_count):
+      raise ValueError(f"this source holds the files of process {self.owner[0]} of "
+                       f"{self.owner[1]}, not of process {process_index} of {process_count}")
+
+  def epoch_rng(self, epoch: int) -> np.random.Generator:
+    """The generator of training epoch ``epoch``'s order."""
+    key = [self.seed, epoch] if self.owner is None else [self.seed, epoch, self.owner[0]]
+    return np.random.default_rng(np.random.SeedSequence(key))
+
   def epoch_permutation(self, epoch: int) -> np.ndarray:
-    """The example order of training epoch ``epoch`` (int64 [N])."""
+    """The example order of training epoch ``epoch`` (int64 [size])."""
     perm = self._perms.get(epoch)
     if perm is None:
-      rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
-      perm = rng.permutation(self.num_examples)
+      perm = self.epoch_rng(epoch).permutation(self.size)
       # A batch touches at most a few consecutive epochs: keep a small cache.
       if len(self._perms) >= 4:
         self._perms.pop(min(self._perms))
       self._perms[epoch] = perm
     return perm
 
-  def train_indices(self, step: int, batch_size: int, process_index: int = 0,
-                    process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(example indices, stream positions), both int64 [b], of a local batch."""
-    local = local_batch_size(batch_size, process_count)
-    start = step * batch_size + process_index * local
-    positions = np.arange(start, start + local, dtype=np.int64)
-    epochs, offsets = np.divmod(positions, self.num_examples)
+  def stream_indices(self, positions: np.ndarray) -> np.ndarray:
+    """The examples at ``positions`` of this source's training stream."""
+    epochs, offsets = np.divmod(positions, self.size)
     indices = np.empty_like(positions)
     for epoch in np.unique(epochs):
       sel = epochs == epoch
       indices[sel] = self.epoch_permutation(int(epoch))[offsets[sel]]
-    return indices, positions
+    return indices
+
+  def process_stream(self, positions: np.ndarray, process_index: int,
+                     process_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(examples, crop counters) at ``positions`` of process p's own stream:
+    its own files' stream when it owns them, else the global stream's
+    positions ``positions * P + p`` (interleaved: disjoint over processes)."""
+    if self.owner is not None:
+      self._check_owner(process_index, process_count)
+      return self.stream_indices(positions), positions * process_count + process_index
+    spread = positions * process_count + process_index
+    return self.stream_indices(spread), spread
+
+  def train_indices(self, step: int, batch_size: int, process_index: int = 0,
+                    process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(example indices, crop counters), both int64 [b], of a local batch."""
+    local = local_batch_size(batch_size, process_count)
+    if self.owner is not None:
+      if local > self.size:
+        raise ValueError(f"this process's files hold {self.size} examples, fewer than its "
+                         f"{local} rows of a batch: write more, smaller shards or set "
+                         f"data.process_files='all'")
+      own = np.arange(step * local, (step + 1) * local, dtype=np.int64)
+      return self.process_stream(own, process_index, process_count)
+    start = step * batch_size + process_index * local
+    positions = np.arange(start, start + local, dtype=np.int64)
+    return self.stream_indices(positions), positions
 
   random_access = True
 
@@ -109,7 +165,11 @@ class IndexedSource(DataSource):
                    process_count: int = 1, num_workers: int = 0) -> Iterator[Batch]:
     local = local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
-    count = num_eval_batches(self.num_examples, local, process_count)
+    self._check_owner(process_index, process_count)
+    if self.owner is not None:   # every process passes over its own files
+      count = -(-max(self.process_examples) // local)
+    else:
+      count = num_eval_batches(self.num_examples, local, process_count)
     batch_at = CallAt(self, "eval_batch", local, process_index, process_count)
     workers = pipeline.resolve_num_workers(num_workers) if self.decodes_files else 0
     if workers:
@@ -123,7 +183,8 @@ class IndexedSource(DataSource):
   def eval_batch(self, k: int, local: int, process_index: int,
                  process_count: int) -> Batch:
     """Eval batch ``k`` of this process (padded; ``mask`` False on padding)."""
-    lo, hi = process_range(self.num_examples, process_index, process_count)
+    lo, hi = ((0, self.size) if self.owner is not None
+              else process_range(self.size, process_index, process_count))
     indices = np.arange(lo + k * local, min(lo + (k + 1) * local, hi))
     batch = None
     if len(indices):

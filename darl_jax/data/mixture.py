@@ -25,6 +25,14 @@ checkpoint), per-process slices and worker processes hold as for one
 source, and the per-component counts up to any step are exact; they are
 logged when the stream starts and every ``LOG_EVERY`` steps.
 
+Files owned by processes (encoded.py, ``data.process_files="own"``): when a
+component's training files are split over P > 1 processes, every process
+mixes a stream of its own: process p's mixture position j (step s holds
+``[s*b, (s+1)*b)``, b = B / P) is assigned to a component as above, and a
+component's position k is k of its own stream if it owns files, else
+position ``k * P + p`` of its global stream (interleaved, so processes never
+share an example). Each process then logs the counts of its own stream.
+
 Labels: each component's own; the mixture is labeled when all components are,
 with the largest class count, else unlabeled (one warning). Evaluation runs
 over every component's evaluation split in turn.
@@ -150,6 +158,10 @@ class MixtureSource(DataSource):
       warn_once(("mixture labels", tuple(specs)), "data.mixture: %s unlabeled, so the "
                 "mixture is read as unlabeled", ", ".join(
                     s for s, c in zip(specs, classes) if c == 0))
+    owners = {c.owner for c in components if c.owner is not None}
+    if len(owners) > 1:
+      raise ValueError(f"data.mixture components were built for different processes: {owners}")
+    self.owner = owners.pop() if owners else None
     self.counts = slot_counts(weights)
     self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -193,7 +205,13 @@ class MixtureSource(DataSource):
   def train_batch(self, step: int, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> Batch:
     local = local_batch_size(batch_size, process_count)
-    start = step * batch_size + process_index * local
+    if self.owner is None:      # this process's slice of the global stream
+      start = step * batch_size + process_index * local
+    else:                       # this process's own stream
+      if self.owner != (process_index, process_count):
+        raise ValueError(f"this mixture holds the files of process {self.owner[0]} of "
+                         f"{self.owner[1]}, not of process {process_index} of {process_count}")
+      start = step * local
     comp, pos = self.assign(np.arange(start, start + local, dtype=np.int64))
     images = np.zeros((local, *self.image_shape), np.uint8)
     labels = np.zeros((local,), np.int32)
@@ -201,17 +219,17 @@ class MixtureSource(DataSource):
       sel = np.flatnonzero(comp == j)
       if not len(sel):
         continue
-      epochs, offsets = np.divmod(pos[sel], source.num_examples)
-      idx = np.empty_like(offsets)
-      for e in np.unique(epochs):
-        at = epochs == e
-        idx[at] = source.epoch_permutation(int(e))[offsets[at]]
+      if self.owner is None:
+        idx, counters = source.stream_indices(pos[sel]), pos[sel]
+      else:
+        idx, counters = source.process_stream(pos[sel], process_index, process_count)
       spatial = source.augment == "spatial"
-      images[sel], labels[sel] = source._examples(idx, pos[sel] if spatial else None)  # pylint: disable=protected-access
+      images[sel], labels[sel] = source._examples(idx, counters if spatial else None)  # pylint: disable=protected-access
     return {"image": images, "label": labels if self.num_classes else labels * 0}
 
   def log_counts(self, step: int, batch_size: int) -> None:
-    counts = self.examples_before(step, batch_size)
+    per_stream = batch_size if self.owner is None else batch_size // self.owner[1]
+    counts = self.examples_before(step, per_stream)
     total = max(int(counts.sum()), 1)
     logging.info("data.mixture at step %d: %s", step, ", ".join(
         f"{spec} {int(n)} ({100 * n / total:.1f}%)" for spec, n in zip(self.specs, counts)))

@@ -33,9 +33,7 @@ import os
 from typing import Any
 
 import numpy as np
-from absl import logging
 
-from darl_jax.data import augment as aug
 from darl_jax.data import encoded, shards
 from darl_jax.data.base import cfg_get
 
@@ -99,7 +97,7 @@ class ParquetSource(encoded.EncodedSource):
   def epoch_permutation(self, epoch: int) -> np.ndarray:
     perm = self._perms.get(epoch)
     if perm is None:
-      rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+      rng = self.epoch_rng(epoch)
       ids, members = np.unique(self.blocks, return_inverse=True)
       order = np.argsort(members, kind="stable")
       starts = np.searchsorted(members[order], np.arange(len(ids) + 1))
@@ -157,11 +155,12 @@ def _file_rows(path: str, image_column: str, label_column: str, explicit_label: 
 def build(config: Any, *, split: str, seed: int) -> ParquetSource:
   pattern, hashed = encoded.split_files(config, split, "parquet")
   files = shards.expand(pattern, "data.path" if split == "train" or hashed else "data.eval_path")
+  owner = encoded.file_owner(config, split, len(files), pattern)
   image_column = cfg_get(config, "image_column", "image")
   label_column = cfg_get(config, "label_column", "label")
   file_ids, groups, rows, labels, keys = [], [], [], [], []
-  has_labels = True
-  for f, path in enumerate(files):
+  for f in encoded.files_to_index(len(files), owner, hashed):
+    path = files[f]
     sizes, file_labels = _file_rows(path, image_column, label_column,
                                     explicit_label=label_column != "label")
     n = sum(sizes)
@@ -169,25 +168,14 @@ def build(config: Any, *, split: str, seed: int) -> ParquetSource:
     groups.append(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
     rows.append(np.concatenate([np.arange(s, dtype=np.int64) for s in sizes] or
                                [np.zeros(0, np.int64)]))
-    has_labels = has_labels and file_labels is not None
-    labels.append(np.zeros(n, np.int64) if file_labels is None else
-                  np.nan_to_num(np.asarray(file_labels, np.float64), nan=0).astype(np.int64))
+    labels.append(np.full(n, -1, np.int64) if file_labels is None else
+                  np.nan_to_num(np.asarray(file_labels, np.float64), nan=-1).astype(np.int64))
     base = os.path.basename(path)
     keys += [f"{base}:{i}" for i in range(n)]
-  if not keys:
-    raise ValueError(f"the Parquet file(s) of {pattern!r} hold no rows")
   file_ids, groups, rows, labels = map(np.concatenate, (file_ids, groups, rows, labels))
-  chosen = np.arange(len(keys))
-  if hashed:
-    chosen = encoded.hash_split(keys, split, cfg_get(config, "val_split_size", None), pattern)
-  labels = labels[chosen].astype(np.int32) if has_labels else np.zeros(len(chosen), np.int32)
-  logging.info("parquet %s (%s): %d rows in %d file(s)%s", pattern, split, len(chosen),
-               len(files), "" if has_labels else ", unlabeled")
-  return ParquetSource(
-      files, file_ids[chosen], groups[chosen], rows[chosen], image_column,
-      labels=labels, num_classes=encoded.num_classes_of(config, labels, has_labels),
-      names=[keys[i] for i in chosen],
-      image_size=int(cfg_get(config, "image_size", 64)),
-      channels=int(cfg_get(config, "channels", 3)),
-      augment=cfg_get(config, "augment", "none"), seed=seed,
-      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
+  chosen = encoded.select(config, split, kind="parquet", pattern=pattern, hashed=hashed,
+                          owner=owner, num_files=len(files), file_ids=file_ids, keys=keys,
+                          labels=labels, what="row")
+  picked = chosen.rows
+  return encoded.make(ParquetSource, config, seed, chosen, keys, files, file_ids[picked],
+                      groups[picked], rows[picked], image_column)

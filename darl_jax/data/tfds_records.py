@@ -57,7 +57,7 @@ class TfdsRecordSource(IndexedSource):
 
   def set_num_examples(self, num: int) -> None:
     self.labels = np.zeros((num,), np.int32)
-    self.num_examples = int(num)
+    self.size = self.num_examples = int(num)
 
   def __getstate__(self):
     state = dict(self.__dict__)

@@ -34,9 +34,7 @@ import tarfile
 from typing import Any, Optional
 
 import numpy as np
-from absl import logging
 
-from darl_jax.data import augment as aug
 from darl_jax.data import encoded, shards
 from darl_jax.data.base import cfg_get, warn_once
 
@@ -108,8 +106,8 @@ class TarShardSource(encoded.EncodedSource):
   """Samples of tar shards read by offset (see the module docstring)."""
 
   def __init__(self, files: list[str], shard_ids: np.ndarray, offsets: np.ndarray,
-               sizes: np.ndarray, names: list[str], **kwargs):
-    super().__init__(names=names, what="tar member", **kwargs)
+               sizes: np.ndarray, **kwargs):
+    super().__init__(what="tar member", **kwargs)
     self.files = list(files)
     self.shard_ids = np.asarray(shard_ids, np.int32)
     self.offsets = np.asarray(offsets, np.int64)
@@ -141,12 +139,13 @@ class TarShardSource(encoded.EncodedSource):
     return data
 
 
-def _collect(files: list[str], config: Any) -> dict:
-  """The concatenated index of ``files`` (built or read from the cache)."""
+def _collect(files: list[str], wanted: list[int], config: Any) -> dict:
+  """The concatenated index of ``files[wanted]`` (built or read from the cache)."""
   label_key = cfg_get(config, "label_key", "label")
   cache_dir = cfg_get(config, "index_cache_dir", None)
   out = {"shard": [], "offsets": [], "sizes": [], "labels": [], "keys": []}
-  for s, shard in enumerate(files):
+  for s in wanted:
+    shard = files[s]
     index = shards.cached_index(shard, lambda p: index_shard(p, label_key),
                                 f"{INDEX_KIND}:{label_key}", cache_dir)
     if index["truncated"]:
@@ -163,7 +162,7 @@ def _collect(files: list[str], config: Any) -> dict:
     out["shard"] += [s] * len(index["keys"])
     out["offsets"] += index["offsets"]
     out["sizes"] += index["sizes"]
-    out["labels"] += index["labels"]
+    out["labels"] += [-1 if v is None else v for v in index["labels"]]
     out["keys"] += [f"{base}/{k}" for k in index["keys"]]
   return out
 
@@ -172,28 +171,17 @@ def build(config: Any, *, split: str, seed: int) -> TarShardSource:
   pattern, hashed = encoded.split_files(config, split, "webdataset")
   files = shards.expand(pattern, "data.eval_path" if split != "train" and not hashed
                         else "data.path")
-  index = _collect(files, config)
+  owner = encoded.file_owner(config, split, len(files), pattern)
+  index = _collect(files, encoded.files_to_index(len(files), owner, hashed), config)
   if not index["keys"]:
     raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in the {len(files)} tar "
                      f"shard(s) of {pattern!r}: a WebDataset sample is {{key}}.jpg (or "
                      f".png, .webp) beside an optional {{key}}.cls label")
-  chosen = np.arange(len(index["keys"]))
-  if hashed:
-    chosen = encoded.hash_split(index["keys"], split, cfg_get(config, "val_split_size", None),
-                                pattern)
-  raw = [index["labels"][i] for i in chosen]
-  has_labels = all(v is not None for v in raw)
-  if not has_labels and any(v is not None for v in raw):
-    warn_once(("partial labels", pattern), "%d of the %d samples of %s have no label: the "
-              "split is read as unlabeled", sum(v is None for v in raw), len(raw), pattern)
-  labels = np.asarray([v or 0 for v in raw] if has_labels else np.zeros(len(raw)), np.int32)
-  logging.info("webdataset %s (%s): %d samples in %d shard(s)%s", pattern, split, len(chosen),
-               len(files), "" if has_labels else ", unlabeled")
-  return TarShardSource(
-      files, np.asarray(index["shard"])[chosen], np.asarray(index["offsets"])[chosen],
-      np.asarray(index["sizes"])[chosen], [index["keys"][i] for i in chosen],
-      labels=labels, num_classes=encoded.num_classes_of(config, labels, has_labels),
-      image_size=int(cfg_get(config, "image_size", 64)),
-      channels=int(cfg_get(config, "channels", 3)),
-      augment=cfg_get(config, "augment", "none"), seed=seed,
-      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))
+  shard_ids = np.asarray(index["shard"], np.int32)
+  chosen = encoded.select(config, split, kind="webdataset", pattern=pattern, hashed=hashed,
+                          owner=owner, num_files=len(files), file_ids=shard_ids,
+                          keys=index["keys"], labels=index["labels"], what="sample")
+  rows = chosen.rows
+  return encoded.make(TarShardSource, config, seed, chosen, index["keys"], files,
+                      shard_ids[rows], np.asarray(index["offsets"], np.int64)[rows],
+                      np.asarray(index["sizes"], np.int64)[rows])

@@ -79,6 +79,7 @@ KEYS_ADDED = {
     "data.eval_path": None, "data.image_column": "image", "data.index_cache_dir": None,
     "data.label_column": "label", "data.label_key": "label", "data.mixture": None,
     "data.num_classes": 0,
+    "data.process_files": "own",
     "data.crop_scale": [0.2, 1.0],
     "model.prefix": "off",
     "ema_decay": 0.0,
