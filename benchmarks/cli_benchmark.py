@@ -11,7 +11,10 @@ same config:
 
 - ``synthetic``: the loop on random uint8 batches made on the device side of
   nothing (``data.name=synthetic``): the step alone, with the loop around it;
-- ``folder``: the loop on the JPEG folder through the input pipeline.
+- ``folder``: the loop on the JPEG folder through the input pipeline;
+- ``tar``, ``arrayrecord``, ``parquet`` (when named in ``--runs``): the same
+  JPEGs converted once into shards of 1000 (``python -m darl_jax.data.convert``,
+  bytes unchanged), each printed against the folder.
 
 Each run gets a fresh workdir; evaluation is off and one checkpoint is
 written at the end. From each run's metrics.jsonl the benchmark reports the
@@ -138,6 +141,29 @@ def summary(result: dict, skip: int) -> dict:
           "first_step_s": result["first_step_s"], "windows": len(rows)}
 
 
+# The same JPEGs in shards (python -m darl_jax.data.convert): run name -> format.
+SHARDED = {"tar": "tar", "arrayrecord": "arrayrecord", "parquet": "parquet"}
+
+
+def shards_of(folder: str, fmt: str) -> list[str]:
+  """The CLI's data overrides for ``folder`` converted (once) into ``fmt`` shards
+  of 1000 images beside it; the split folders' val/ is the evaluation split."""
+  sys.path.insert(0, ROOT)
+  from darl_jax.data import convert  # pylint: disable=g-import-not-at-top
+  dst = f"{folder.rstrip('/')}_{fmt}"
+  done = os.path.join(dst, "DONE")
+  if not os.path.exists(done):
+    t0 = time.perf_counter()
+    shutil.rmtree(dst, ignore_errors=True)
+    convert.convert(folder, dst, fmt, shard_size=1000)
+    open(done, "w").close()
+    print(f"{fmt} shards {dst} ({time.perf_counter() - t0:.0f} s)", flush=True)
+  ext = convert.WRITERS[fmt].suffix
+  return [f"--config.data.name={convert.SOURCE_NAMES[fmt]}",
+          f"--config.data.path={dst}/train-*{ext}",
+          f"--config.data.eval_path={dst}/validation-*{ext}"]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="experiments/vit_l16_diff.py")
@@ -155,7 +181,7 @@ def main():
   extra = [a for a in extra if a != "--"]
 
   folder = args.folder
-  if "folder" in args.runs.split(","):
+  if {"folder", *SHARDED} & set(args.runs.split(",")):
     t0 = time.perf_counter()
     make_folder(folder, args.images, max(args.images // 20, 64))
     print(f"JPEG folder {folder}: {args.images} train images "
@@ -166,6 +192,8 @@ def main():
             "--config.predictions.num_images=0", *extra]
   data = {"synthetic": ["--config.data.name=synthetic"],
           "folder": ["--config.data.name=image_folder", f"--config.data.path={folder}"]}
+  for fmt in set(args.runs.split(",")) & set(SHARDED):
+    data[fmt] = shards_of(folder, fmt)
   rows = {}
   scratch = tempfile.mkdtemp(prefix="darl_cli_bench_")
   for name in args.runs.split(","):
@@ -194,6 +222,10 @@ def main():
   if {"synthetic", "folder"} <= rows.keys():
     print(f"\nCLI on JPEGs / step alone: "
           f"{rows['folder']['img_s'] / rows['synthetic']['img_s']:.3f}")
+  for fmt in SHARDED:
+    if {fmt, "folder"} <= rows.keys():
+      print(f"CLI on {fmt} shards / on the folder: "
+            f"{rows[fmt]['img_s'] / rows['folder']['img_s']:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The input pipeline alone against a plain PIL loop, on a folder of JPEGs.
 
     python benchmarks/pipeline_benchmark.py [--images=600] [--size=224] [--workers=0,1,2] \
-        [--formats=folder,tar,parquet,arrayrecord,hf_disk]
+        [--formats=folder,tar,parquet,arrayrecord,hf_disk] [--repeats=5]
 
 On the folder of ImageNet-like JPEGs that benchmarks/cli_benchmark.py
 generates (300-500 px, quality 90), prints images/s of
@@ -18,8 +18,9 @@ generates (300-500 px, quality 90), prints images/s of
   (row groups of 256) or a Hugging Face dataset saved with ``save_to_disk``
   (needs the ``hf`` extra), written to a temporary folder before timing;
 
-each timed for ``--seconds`` after a warm-up batch, and each row's ratio to
-the plain loop.
+each timed for ``--seconds`` after a warm-up batch (the median of
+``--repeats`` rounds over all rows), with its ratio to the plain loop and to
+the folder at the same worker count.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def main():
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--workers", default="0,1,2")
   parser.add_argument("--seconds", type=float, default=10.0)
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="rounds over all rows; each row prints its median")
   parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "darl_jpegs"))
   parser.add_argument("--formats", default="folder",
                       help=f"comma-separated, of {', '.join(FORMATS)}")
@@ -121,22 +124,38 @@ def main():
   cli_benchmark.make_folder(args.folder, args.images, max(args.images // 20, 64))
   train = os.path.join(args.folder, "train")
   paths = [os.path.join(train, f) for f in image_folder.list_images(train)]
-  base = plain_loop_rate(paths, args.size, args.batch, args.seconds)
-  print(f"{len(paths)} JPEGs, output {args.size}x{args.size}, batch {args.batch}, "
-        f"{pipeline.host_cores()} host cores\n")
-  print("| loader | images/s | x plain loop |\n|---|---|---|")
-  print(f"| plain PIL loop | {base:.0f} | 1.00 |", flush=True)
-  for fmt in args.formats.split(","):
-    dst = tempfile.mkdtemp(prefix=f"darl_{fmt}_")
-    try:
-      data = train if fmt == "folder" else write_format(fmt, args.folder, paths, dst)
-      label = "" if fmt == "folder" else f"{fmt}, "
-      for workers in (int(w) for w in args.workers.split(",")):
-        r = pipeline_rate(data, args.size, args.batch, workers, args.seconds)
-        print(f"| pipeline, {label}{workers} workers | {r:.0f} | {r / base:.2f} |", flush=True)
-    finally:
+  formats = args.formats.split(",")
+  workers = [int(w) for w in args.workers.split(",")]
+  dsts = {fmt: tempfile.mkdtemp(prefix=f"darl_{fmt}_") for fmt in formats if fmt != "folder"}
+  try:
+    data = {fmt: train if fmt == "folder" else write_format(fmt, args.folder, paths, dsts[fmt])
+            for fmt in formats}
+    # Every row is timed once per round, the rounds one after another, so
+    # that a slow spell of a shared machine falls on all rows alike; the
+    # median of the rounds is printed.
+    rates: dict = {}
+    bases = []
+    for _ in range(args.repeats):
+      bases.append(plain_loop_rate(paths, args.size, args.batch, args.seconds))
+      for fmt in formats:
+        for w in workers:
+          rates.setdefault((fmt, w), []).append(
+              pipeline_rate(data[fmt], args.size, args.batch, w, args.seconds))
+  finally:
+    for dst in dsts.values():
       shutil.rmtree(dst, ignore_errors=True)
-
+  base = float(np.median(bases))
+  print(f"{len(paths)} JPEGs, output {args.size}x{args.size}, batch {args.batch}, "
+        f"{pipeline.host_cores()} host cores, median of {args.repeats} round(s) of "
+        f"{args.seconds:g} s per row\n")
+  print("| loader | images/s | x plain loop | x folder |\n|---|---|---|---|")
+  print(f"| plain PIL loop | {base:.0f} | 1.00 | |")
+  for (fmt, w), r in rates.items():
+    r = float(np.median(r))
+    label = "" if fmt == "folder" else f"{fmt}, "
+    folder = rates.get(("folder", w))
+    versus = f"{r / float(np.median(folder)):.2f}" if folder else ""
+    print(f"| pipeline, {label}{w} workers | {r:.0f} | {r / base:.2f} | {versus} |", flush=True)
 
 if __name__ == "__main__":
   main()

@@ -229,10 +229,12 @@ def test_cli_benchmark_runs_the_cli_on_jpegs_and_on_synthetic_data(tmp_path):
   runs and the warm rerun report, and the ratio line comes out."""
   out = run("cli_benchmark.py", "--config=tests/tiny_config.py", "--batch=8", "--steps=6",
             "--log_every=2", "--skip=1", "--images=24", f"--folder={tmp_path / 'jpegs'}",
+            "--runs=synthetic,folder,tar",
             "--", "--config.data.image_size=8", "--config.data.channels=1",
             "--config.data.augment=spatial")
-  assert "| folder |" in out and "| synthetic |" in out
-  assert "CLI on JPEGs / step alone:" in out and "compilation cache warm" in out
+  assert "| folder |" in out and "| synthetic |" in out and "| tar |" in out
+  assert "CLI on JPEGs / step alone:" in out and "CLI on tar shards / on the folder:" in out
+  assert "compilation cache warm" in out
 
 
 def test_pipeline_benchmark_compares_with_the_plain_loop(tmp_path):

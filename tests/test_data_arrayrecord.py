@@ -191,7 +191,7 @@ def test_the_pipeline_benchmark_times_the_sharded_formats(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run(
       [sys.executable, os.path.join(root, "benchmarks", "pipeline_benchmark.py"), "--images=16",
-       "--size=16", "--batch=4", "--workers=0", "--seconds=0.2",
+       "--size=16", "--batch=4", "--workers=0", "--seconds=0.2", "--repeats=2",
        f"--folder={tmp_path / 'jpegs'}", "--formats=folder,tar,arrayrecord,parquet"],
       capture_output=True, text=True, cwd=root, timeout=600,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -200,3 +200,7 @@ def test_the_pipeline_benchmark_times_the_sharded_formats(tmp_path):
           if line.startswith("| ")]
   assert rows[1:] == ["plain PIL loop", "pipeline, 0 workers", "pipeline, tar, 0 workers",
                       "pipeline, arrayrecord, 0 workers", "pipeline, parquet, 0 workers"]
+  table = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| pipeline")]
+  assert table[0][4].strip() == "1.00"            # the folder against itself
+  for row in table[1:]:                           # each format against the folder
+    np.testing.assert_allclose(float(row[4]), float(row[2]) / float(table[0][2]), atol=0.02)

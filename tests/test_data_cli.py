@@ -80,33 +80,26 @@ def datasets(tmp_path_factory):
   import numpy as np
   from PIL import Image
   from darl_jax.data import convert
-  pa = pytest.importorskip("pyarrow")
-  pq = pytest.importorskip("pyarrow.parquet")
+  pytest.importorskip("pyarrow")
   root = tmp_path_factory.mktemp("data")
   rng = np.random.default_rng(0)
-  rows = {"train": ([], []), "val": ([], [])}
   for split, n in (("train", 24), ("val", 8)):
-    for label, cls in enumerate(("cat", "dog")):
+    for cls in ("cat", "dog"):
       os.makedirs(root / "folder" / split / cls)
       for i in range(n):
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (8, 8, 3), np.uint8)).save(buf, "PNG")
         (root / "folder" / split / cls / f"{i:03d}.png").write_bytes(buf.getvalue())
-        rows[split][0].append(buf.getvalue())
-        rows[split][1].append(label)
-  for fmt in ("tar", "arrayrecord"):
+  # The README's commands: `python -m darl_jax.data.convert --format=...`.
+  for fmt in ("tar", "arrayrecord", "parquet"):
     convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=20)
-  os.makedirs(root / "parquet")
-  for split, (images, labels) in rows.items():
-    pq.write_table(pa.table({"image": images, "label": labels}),
-                   root / "parquet" / f"{split}.parquet", row_group_size=8)
   tar = f"{root}/tar/train-{{000000..000002}}.tar"
-  pqt = f"{root}/parquet/train.parquet"
+  pqt = f"{root}/parquet/train-*.parquet"
   return {
       "tar": ["--config.data.name=webdataset", f"--config.data.path={tar}",
               f"--config.data.eval_path={root}/tar/validation-000000.tar"],
       "parquet": ["--config.data.name=parquet", f"--config.data.path={pqt}",
-                  f"--config.data.eval_path={root}/parquet/val.parquet"],
+                  f"--config.data.eval_path={root}/parquet/validation-000000.parquet"],
       "arrayrecord": ["--config.data.name=arrayrecord",
                       f"--config.data.path={root}/arrayrecord/train-{{000000..000002}}.array_record",
                       f"--config.data.eval_path={root}/arrayrecord/validation-000000.array_record"],

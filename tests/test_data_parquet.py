@@ -90,3 +90,30 @@ def test_bad_input_names_the_fix(files):
     build_source(cfg(path=f"{root}/train-*.parquet", label_column="y"), split="train", seed=0)
   with pytest.raises(FileNotFoundError, match="no file matches"):
     build_source(cfg(path=f"{root}/val-*.parquet"), split="train", seed=0)
+
+
+def test_a_converted_folder_reads_as_the_folder(tmp_path):
+  """``convert --format=parquet``: HF's image struct and label column, row
+  groups of 256, every split's rows in the folder's order: an unshuffled pass
+  gives the folder's pixels and labels."""
+  from darl_jax.data import convert  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  for split, n in (("train", 5), ("val", 2)):
+    for c in ("cat", "dog"):
+      (tmp_path / "folder" / split / c).mkdir(parents=True)
+      for i in range(n):
+        (tmp_path / "folder" / split / c / f"{i}.png").write_bytes(encode(rng))
+  out = convert.convert(str(tmp_path / "folder"), str(tmp_path / "pq"), "parquet", shard_size=4)
+  assert [len(out[s]) for s in ("train", "validation")] == [3, 1]
+  table = pq.read_table(out["train"][0])
+  assert table.schema.field("image").type.names == ["bytes", "path"]
+  assert table.column("label").to_pylist() == [0, 0, 0, 0]
+  config = cfg(path=f"{tmp_path}/pq/train-*.parquet", eval_path=f"{tmp_path}/pq/validation-*.parquet")
+  ref = {**config, "name": "image_folder", "path": str(tmp_path / "folder")}
+  for split in ("train", "validation"):
+    got = build_source(config, split=split, seed=0)
+    want = build_source(ref, split=split, seed=0)
+    assert got.num_classes == want.num_classes == 2
+    for a, b in zip(got.eval_batches(4), want.eval_batches(4)):
+      for k in ("image", "label", "mask"):
+        np.testing.assert_array_equal(a[k], b[k])

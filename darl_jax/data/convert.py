@@ -1,8 +1,9 @@
-"""Writes an image folder into tar or ArrayRecord shards, once, for the sharded sources.
+"""Writes an image folder into tar, ArrayRecord or Parquet shards, once, for the sharded sources.
 
     python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=tar \\
         --shard_size=10000
     python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=arrayrecord
+    python -m darl_jax.data.convert --src=<image folder> --dst=<dir> --format=parquet
 
 The folder is read as the image_folder source reads it (split folders
 ``train/``, ``val/``..., or one pool; optional class sub-folders), and each
@@ -21,6 +22,11 @@ The printed lines give the ``data.path`` / ``data.eval_path`` to train on.
 bytes (unchanged), its class index (when the folder has class sub-folders)
 and its key (the relative path), the layout arrayrecord_source.py documents;
 written with ``group_size:1``, ArrayRecord's setting for random access.
+
+``--format=parquet`` writes ``<dst>/<split>-NNNNNN.parquet`` (``data.name=parquet``)
+in Hugging Face's image layout: an ``image`` column of ``{bytes, path}``
+structs (the file's bytes unchanged, its relative path), an integer ``label``
+column when the folder has class sub-folders, row groups of 256 images.
 """
 
 from __future__ import annotations
@@ -30,15 +36,17 @@ import os
 import posixpath
 import tarfile
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from absl import app, flags
 
 from darl_jax.data import image_folder
 
-FORMATS = ("tar", "arrayrecord")
-SOURCE_NAMES = {"tar": "webdataset", "arrayrecord": "arrayrecord"}
+FORMATS = ("tar", "arrayrecord", "parquet")
+SOURCE_NAMES = {"tar": "webdataset", "arrayrecord": "arrayrecord", "parquet": "parquet"}
 ARRAYRECORD_WRITER_OPTIONS = "group_size:1"
+# Parquet row groups: the unit the parquet source reads and shuffles by.
+PARQUET_ROW_GROUP = 256
 
 
 def _sample_key(rel: str) -> str:
@@ -47,60 +55,107 @@ def _sample_key(rel: str) -> str:
   return posixpath.join(folder, name.replace(".", "_"))
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
-  info = tarfile.TarInfo(name)
-  info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
-  tar.addfile(info, io.BytesIO(data))
+class _TarShard:
+  """WebDataset samples ``{key}.<ext>`` (+ ``{key}.cls``) in a tar file."""
+  suffix = ".tar"
+
+  def __init__(self, path: str):
+    self._tar = tarfile.open(path, "w", format=tarfile.GNU_FORMAT)
+
+  def _member(self, name: str, data: bytes, mtime: float) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
+    self._tar.addfile(info, io.BytesIO(data))
+
+  def add(self, rel: str, data: bytes, label: Optional[int], mtime: float) -> None:
+    key = _sample_key(rel)
+    self._member(f"{key}.{os.path.splitext(rel)[1].lstrip('.').lower()}", data, mtime)
+    if label is not None:
+      self._member(f"{key}.cls", str(label).encode(), mtime)
+
+  def close(self) -> None:
+    self._tar.close()
 
 
-def write_tar_shards(base: str, files: Sequence[str], classes: Sequence[str], dst: str,
-                     prefix: str, shard_size: int) -> list[str]:
-  """Writes ``files`` (relative to ``base``) into ``<dst>/<prefix>-NNNNNN.tar``."""
+class _ArrayRecordShard:
+  """One msgpack record per image (arrayrecord_source.py's layout)."""
+  suffix = ".array_record"
+
+  def __init__(self, path: str):
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+    self._writer = array_record_module.ArrayRecordWriter(path, ARRAYRECORD_WRITER_OPTIONS)
+
+  def add(self, rel: str, data: bytes, label: Optional[int], mtime: float) -> None:
+    del mtime
+    from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
+    self._writer.write(arrayrecord_source.encode_record(data, label, rel.replace(os.sep, "/")))
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class _ParquetShard:
+  """Hugging Face's image layout: an ``image`` struct of ``bytes`` and
+  ``path``, and an integer ``label`` column when there are classes; row groups
+  of PARQUET_ROW_GROUP images, written as they fill."""
+  suffix = ".parquet"
+
+  def __init__(self, path: str):
+    self._path, self._rows, self._writer = path, [], None
+
+  def _flush(self) -> None:
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    if not self._rows:
+      return
+    columns = {"image": [{"bytes": d, "path": r} for r, d, _ in self._rows]}
+    if self._rows[0][2] is not None:
+      columns["label"] = pa.array([l for _, _, l in self._rows], pa.int64())
+    table = pa.table(columns)
+    if self._writer is None:
+      self._writer = pq.ParquetWriter(self._path, table.schema)
+    self._writer.write_table(table, row_group_size=PARQUET_ROW_GROUP)
+    self._rows = []
+
+  def add(self, rel: str, data: bytes, label: Optional[int], mtime: float) -> None:
+    del mtime
+    self._rows.append((rel.replace(os.sep, "/"), data, label))
+    if len(self._rows) == PARQUET_ROW_GROUP:
+      self._flush()
+
+  def close(self) -> None:
+    self._flush()
+    if self._writer is not None:
+      self._writer.close()
+
+
+WRITERS = {"tar": _TarShard, "arrayrecord": _ArrayRecordShard, "parquet": _ParquetShard}
+
+
+def write_shards(fmt: str, base: str, files: Sequence[str], classes: Sequence[str], dst: str,
+                 prefix: str, shard_size: int) -> list[str]:
+  """Writes ``files`` (relative to ``base``) into ``<dst>/<prefix>-NNNNNN<suffix>``
+  shards of ``shard_size`` images; each shard appears whole (written under a
+  temporary name, then renamed)."""
   if shard_size <= 0:
     raise ValueError(f"--shard_size must be positive, got {shard_size}")
+  shard_cls = WRITERS[fmt]
   index = {name: i for i, name in enumerate(classes)}
   written = []
   os.makedirs(dst, exist_ok=True)
   for start in range(0, len(files), shard_size):
-    path = os.path.join(dst, f"{prefix}-{start // shard_size:06d}.tar")
+    path = os.path.join(dst, f"{prefix}-{start // shard_size:06d}{shard_cls.suffix}")
     tmp = path + ".tmp"
-    with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+    shard = shard_cls(tmp)
+    try:
       for rel in files[start:start + shard_size]:
         full = os.path.join(base, rel)
         with open(full, "rb") as f:
           data = f.read()
-        key, mtime = _sample_key(rel), os.path.getmtime(full)
-        ext = os.path.splitext(rel)[1].lstrip(".").lower()
-        _add(tar, f"{key}.{ext}", data, mtime)
-        if classes:
-          _add(tar, f"{key}.cls", str(index[rel.split(os.sep)[0]]).encode(), mtime)
-    os.replace(tmp, path)
-    written.append(path)
-  return written
-
-
-def write_arrayrecord_shards(base: str, files: Sequence[str], classes: Sequence[str], dst: str,
-                             prefix: str, shard_size: int) -> list[str]:
-  """Writes ``files`` (relative to ``base``) into ``<dst>/<prefix>-NNNNNN.array_record``."""
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-  from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
-  if shard_size <= 0:
-    raise ValueError(f"--shard_size must be positive, got {shard_size}")
-  index = {name: i for i, name in enumerate(classes)}
-  written = []
-  os.makedirs(dst, exist_ok=True)
-  for start in range(0, len(files), shard_size):
-    path = os.path.join(dst, f"{prefix}-{start // shard_size:06d}.array_record")
-    tmp = path + ".tmp"
-    writer = array_record_module.ArrayRecordWriter(tmp, ARRAYRECORD_WRITER_OPTIONS)
-    try:
-      for rel in files[start:start + shard_size]:
-        with open(os.path.join(base, rel), "rb") as f:
-          data = f.read()
         label = index[rel.split(os.sep)[0]] if classes else None
-        writer.write(arrayrecord_source.encode_record(data, label, rel.replace(os.sep, "/")))
+        shard.add(rel, data, label, os.path.getmtime(full))
     finally:
-      writer.close()
+      shard.close()
     os.replace(tmp, path)
     written.append(path)
   return written
@@ -128,8 +183,7 @@ def convert(src: str, dst: str, fmt: str = "tar", shard_size: int = 10_000,
   classes = image_folder.class_names([f for _, _, lists in listed.values() for f in lists])
   out = {}
   for split, (base, files, _) in listed.items():
-    write = write_tar_shards if fmt == "tar" else write_arrayrecord_shards
-    out[split] = write(base, files, classes, dst, split, shard_size)
+    out[split] = write_shards(fmt, base, files, classes, dst, split, shard_size)
   return out
 
 
