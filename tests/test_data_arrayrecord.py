@@ -1,42 +1,20 @@
 """ArrayRecord files of your own images (data/arrayrecord_source.py) and the
 image-folder -> ArrayRecord converter (data/convert.py --format=arrayrecord)."""
 
-import io
 import os
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from darl_jax.data import arrayrecord_source, build_source, convert, shards
+import image_files
 
 array_record_module = pytest.importorskip("array_record.python.array_record_module")
-
-CLASSES = ("cat", "dog")
-
-
-def draw(rng, size=(14, 11)):
-  return rng.integers(0, 255, (size[1], size[0], 3), np.uint8)
-
-
-def png(rng):
-  buf = io.BytesIO()
-  Image.fromarray(draw(rng)).save(buf, "PNG")
-  return buf.getvalue()
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
   """train/ and val/ with two class folders of PNG and JPEG images."""
-  root = tmp_path_factory.mktemp("folder")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 7), ("val", 3)):
-    for c in CLASSES:
-      os.makedirs(root / split / c)
-      for i in range(n):
-        ext = "jpg" if i % 2 else "png"
-        Image.fromarray(draw(rng)).save(root / split / c / f"{i:03d}.{ext}")
-  return str(root)
+  return image_files.class_folder(tmp_path_factory.mktemp("folder"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +86,7 @@ def test_a_resumed_iterator_equals_the_uninterrupted_one(converted):
 def test_unlabeled_records_keys_and_hash_split(tmp_path):
   rng = np.random.default_rng(2)
   write(tmp_path / "u.array_record",
-        [arrayrecord_source.encode_record(png(rng), key=f"img{i}") for i in range(10)])
+        [arrayrecord_source.encode_record(image_files.encode(rng), key=f"img{i}") for i in range(10)])
   config = cfg(path=str(tmp_path / "u.array_record"), val_split_size=2)
   train = build_source(config, split="train", seed=0)
   val = build_source(config, split="validation", seed=0)
@@ -140,7 +118,7 @@ def test_bad_records_and_bad_input(tmp_path):
   image cannot be decoded is replaced by the next readable record."""
   rng = np.random.default_rng(3)
   write(tmp_path / "b.array_record",
-        [arrayrecord_source.encode_record(png(rng), label=i % 2) for i in range(4)]
+        [arrayrecord_source.encode_record(image_files.encode(rng), label=i % 2) for i in range(4)]
         + [b"\xc1 not msgpack", arrayrecord_source.encode_record(b"not an image", label=1)])
   source = build_source(cfg(path=str(tmp_path / "b.array_record"), augment="none",
                             val_split_size=0), split="train", seed=0)

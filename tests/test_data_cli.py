@@ -76,20 +76,12 @@ def records(workdir):
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
   """format -> the CLI's data overrides, all made from one image folder."""
-  import io
-  import numpy as np
-  from PIL import Image
-  from darl_jax.data import convert
+  import image_files  # pylint: disable=g-import-not-at-top
+  from darl_jax.data import convert  # pylint: disable=g-import-not-at-top
   pytest.importorskip("pyarrow")
   root = tmp_path_factory.mktemp("data")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 24), ("val", 8)):
-    for cls in ("cat", "dog"):
-      os.makedirs(root / "folder" / split / cls)
-      for i in range(n):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 255, (8, 8, 3), np.uint8)).save(buf, "PNG")
-        (root / "folder" / split / cls / f"{i:03d}.png").write_bytes(buf.getvalue())
+  image_files.class_folder(root / "folder", (("train", 24), ("val", 8)), shape=(8, 8),
+                           exts=("png",))
   # The README's commands: `python -m darl_jax.data.convert --format=...`.
   for fmt in ("tar", "arrayrecord", "parquet"):
     convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=20)

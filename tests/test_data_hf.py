@@ -1,11 +1,11 @@
 """Hugging Face datasets saved with save_to_disk (data/hf_disk.py)."""
 
-import io
 import sys
 
 import numpy as np
 import pytest
-from PIL import Image
+
+import image_files
 
 from darl_jax.data import build_source, hf_disk
 
@@ -13,9 +13,7 @@ datasets = pytest.importorskip("datasets")
 
 
 def encode(rng, fmt="PNG"):
-  buf = io.BytesIO()
-  Image.fromarray(rng.integers(0, 255, (9, 13, 3), np.uint8)).save(buf, fmt)
-  return buf.getvalue()
+  return image_files.encode(rng, fmt, shape=(9, 13))
 
 
 @pytest.fixture(scope="module")

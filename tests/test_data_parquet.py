@@ -1,10 +1,10 @@
 """Parquet files of encoded images (data/parquet.py)."""
 
-import io
 
 import numpy as np
 import pytest
-from PIL import Image
+
+import image_files
 
 from darl_jax.data import build_source, parquet
 
@@ -13,9 +13,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 
 def encode(rng, fmt="PNG"):
-  buf = io.BytesIO()
-  Image.fromarray(rng.integers(0, 255, (9, 13, 3), np.uint8)).save(buf, fmt)
-  return buf.getvalue()
+  return image_files.encode(rng, fmt, shape=(9, 13))
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from darl_jax.data import build_source, convert, encoded, holdout
+import image_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLASSES = ("cat", "dog")
+CLASSES = image_files.CLASSES
 PER_CLASS = 12          # 24 training images: 4 shards of 6
 
 
@@ -28,13 +28,8 @@ def data(tmp_path_factory):
   """{format: (train pattern, eval pattern)} for tar, arrayrecord and parquet,
   the same 24 training and 6 validation images in each."""
   root = tmp_path_factory.mktemp("procs")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", PER_CLASS), ("val", 3)):
-    for c in CLASSES:
-      os.makedirs(root / "folder" / split / c)
-      for i in range(n):
-        Image.fromarray(rng.integers(0, 255, (9, 10, 3), np.uint8)).save(
-            root / "folder" / split / c / f"{i:03d}.png")
+  image_files.class_folder(root / "folder", (("train", PER_CLASS), ("val", 3)), shape=(9, 10),
+                           exts=("png",))
   out = {}
   for fmt, ext in (("tar", "tar"), ("arrayrecord", "array_record")):
     convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=6)
@@ -134,6 +129,25 @@ def test_resume_eval_and_bad_settings(data, monkeypatch):
   with pytest.raises(ValueError, match="fewer than its 16 rows"):
     source = build_source(cfg(data, "tar"), split="train", seed=0)
     source.train_batch(0, 32, 0, 2)
+
+
+def test_a_hash_split_holds_out_the_same_examples_on_every_process(data, monkeypatch):
+  """Without data.eval_path every process lists every file (the hash split
+  needs all keys) but trains only on its own files' remaining examples."""
+  config = {**cfg(data, "tar"), "eval_path": None, "val_split_size": 4}
+  val = build_source(config, split="validation", seed=0)
+  held = set(val.names)
+  assert len(held) == 4
+  trained = []
+  for p in range(2):
+    monkeypatch.setattr(encoded, "this_process", lambda p=p: (p, 2))
+    monkeypatch.setattr(encoded, "gather_ints",
+                        lambda values, n: np.asarray([values, values], np.int64))
+    source = build_source(config, split="train", seed=0)
+    own = set(source.files[p::2])
+    assert {file_of(source, i) for i in range(source.size)} <= own
+    trained += list(source.names)
+  assert not held & set(trained) and len(trained) == len(set(trained)) == 20
 
 
 def test_a_mixture_of_owned_and_shared_components(data, monkeypatch):

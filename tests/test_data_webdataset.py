@@ -8,29 +8,14 @@ import tarfile
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from darl_jax.data import build_source, convert, image_folder, shards, webdataset
-
-CLASSES = ("cat", "dog")
-
-
-def draw(rng, size=(14, 11)):
-  return rng.integers(0, 255, (size[1], size[0], 3), np.uint8)
-
+import image_files
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
   """train/ and val/ with two class folders of PNG and JPEG images."""
-  root = tmp_path_factory.mktemp("folder")
-  rng = np.random.default_rng(0)
-  for split, n in (("train", 7), ("val", 3)):
-    for c in CLASSES:
-      os.makedirs(root / split / c)
-      for i in range(n):
-        ext = "jpg" if i % 2 else "png"
-        Image.fromarray(draw(rng)).save(root / split / c / f"{i:03d}.{ext}")
-  return str(root)
+  return image_files.class_folder(tmp_path_factory.mktemp("folder"))
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +106,13 @@ def _tar(path, members):
       tar.addfile(info, io.BytesIO(data))
 
 
-def _png(rng):
-  buf = io.BytesIO()
-  Image.fromarray(draw(rng)).save(buf, "PNG")
-  return buf.getvalue()
 
 
 def test_labels_json_txt_unlabeled_and_hash_split(tmp_path):
   rng = np.random.default_rng(2)
   members = []
   for i in range(10):
-    members.append((f"s{i}.webp" if i == 0 else f"s{i}.png", _png(rng)))
+    members.append((f"s{i}.webp" if i == 0 else f"s{i}.png", image_files.encode(rng)))
     members.append((f"s{i}.json", json.dumps({"y": i % 3}).encode()))
     members.append((f"s{i}.txt", b"a caption"))
   _tar(tmp_path / "j.tar", members)
@@ -141,7 +122,7 @@ def test_labels_json_txt_unlabeled_and_hash_split(tmp_path):
                    split="validation", seed=0)
   assert (s.num_examples, v.num_examples, s.num_classes) == (8, 2, 3)
   assert not set(s.names) & set(v.names)
-  _tar(tmp_path / "u.tar", [(f"{i}.png", _png(rng)) for i in range(4)])
+  _tar(tmp_path / "u.tar", [(f"{i}.png", image_files.encode(rng)) for i in range(4)])
   u = build_source(cfg(path=str(tmp_path / "u.tar")), split="train", seed=0)
   assert u.num_classes == 0 and u.train_batch(0, 2)["image"].shape == (2, 8, 8, 3)
 
@@ -160,7 +141,7 @@ def test_truncated_shards_and_bad_members_are_skipped(tmp_path):
   """A shard cut short keeps its whole samples; an undecodable member is
   replaced by the next readable example."""
   rng = np.random.default_rng(3)
-  members = [(f"{i}.png", _png(rng)) for i in range(6)]
+  members = [(f"{i}.png", image_files.encode(rng)) for i in range(6)]
   members[2] = ("2.png", b"not an image")
   _tar(tmp_path / "full.tar", members)
   data = (tmp_path / "full.tar").read_bytes()

@@ -31,6 +31,9 @@ crop_scale, path,
 backend (Fashion-MNIST: "auto"|"numpy"|"tfds"; TFDS names: "auto"|"records"|"tf",
 records = ArrayRecord files read through the Grain pipeline, tfds_records.py), tfds_name, tfds_data_dir, val_split_size,
 num_workers (-1: the host's share of cores; 0: in the training process);
+sharded sources: eval_path, label_key, index_cache_dir, image_column,
+label_column, num_classes, process_files ("own": each of P > 1 processes
+reads only its own training files; "all": one global stream, encoded.py);
 optional: crop_fraction (TFDS eval centre crop; 0.875 for imagenet2012, else
 1), shuffle_buffer (TFDS).
 
