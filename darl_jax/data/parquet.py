@@ -58,7 +58,10 @@ def _open(path: str):
 
 
 def _image_bytes(column, image_column: str, path: str):
-  """The encoded images of a pyarrow column (struct with ``bytes``, or binary)."""
+  """The encoded images of a pyarrow column (struct with ``bytes``, or binary),
+  as one pyarrow binary array: a worker takes out only the rows it needs
+  (``array[i].as_py()``), not a Python bytes object for every row of every
+  row group it reads."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   if pa.types.is_struct(column.type):
     names = [column.type.field(i).name for i in range(column.type.num_fields)]
@@ -66,12 +69,12 @@ def _image_bytes(column, image_column: str, path: str):
       raise ValueError(f"{path}: column {image_column!r} is a struct without a 'bytes' "
                        f"field (fields {names}); set data.image_column to the column of "
                        f"encoded images")
-    column = column.combine_chunks().field("bytes") if isinstance(
-        column, pa.ChunkedArray) else column.field("bytes")
-  elif not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    return column.field("bytes")
+  if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
     raise ValueError(f"{path}: column {image_column!r} holds {column.type}, not encoded "
                      f"image bytes; set data.image_column")
-  return column.to_pylist()
+  return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
 class ParquetSource(encoded.EncodedSource):
@@ -113,14 +116,16 @@ class ParquetSource(encoded.EncodedSource):
       self._perms[epoch] = perm
     return perm
 
-  def _group(self, file_id: int, group: int) -> list:
+  def _group(self, file_id: int, group: int):
     key = (file_id, group)
     images = self._cache.pop(key, None)
     if images is None:
       handle = self._handles.get(file_id)
       if handle is None:
         handle = self._handles[file_id] = _open(self.files[file_id])
-      table = handle.read_row_group(group, columns=[self.image_column])
+      # One thread: the pipeline already runs a worker process per core, and
+      # pyarrow's own pool (a thread per core in every worker) only contends.
+      table = handle.read_row_group(group, columns=[self.image_column], use_threads=False)
       images = _image_bytes(table.column(0), self.image_column, self.files[file_id])
       if len(self._cache) >= CACHED_ROW_GROUPS:
         self._cache.popitem(last=False)
@@ -128,7 +133,8 @@ class ParquetSource(encoded.EncodedSource):
     return images
 
   def _read(self, index: int) -> bytes:
-    data = self._group(int(self.file_ids[index]), int(self.groups[index]))[int(self.rows[index])]
+    data = self._group(int(self.file_ids[index]), int(self.groups[index]))[
+        int(self.rows[index])].as_py()
     if data is None:
       raise ValueError("the image is null")
     return data
