@@ -252,6 +252,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def batch_shards(mesh: Mesh | None) -> int:
+  """The devices a batch is split over (data x fsdp); 1 without a mesh."""
+  return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
 # ------------------------------------------------------------- partition rules
 
 

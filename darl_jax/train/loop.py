@@ -36,7 +36,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import logging
 from etils import epath
@@ -218,8 +217,7 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
   ``num_microbatches > 1``: the batch's gradient is accumulated over that
   many microbatches in one scan (train/accumulate.py), one update per step.
   """
-  batch_shards = 1 if mesh is None else int(np.prod(
-      [mesh.shape[a] for a in sharding_lib.BATCH_AXES]))
+  batch_shards = sharding_lib.batch_shards(mesh)
   spec = None if mesh is None else sharding_lib.batch_sharding(mesh).spec
 
   @functools.partial(on_mesh, mesh=mesh)
@@ -432,9 +430,10 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
   if config.batch_size % jax.process_count():
     raise ValueError(f"batch_size {config.batch_size} must be divisible by the number "
                      f"of processes ({jax.process_count()})")
-  if config.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
+  batch_shards = sharding_lib.batch_shards(mesh)
+  if config.batch_size % batch_shards:
     raise ValueError(f"batch_size {config.batch_size} must be divisible by the data x fsdp "
-                     f"mesh size {mesh.shape['data'] * mesh.shape['fsdp']}")
+                     f"mesh size {batch_shards}")
   train_source = trainer.make_source(config, config.data.train_split, train=True)
   eval_source = trainer.make_source(config, config.data.eval_split, train=False)
   if config.batch_size > train_source.num_examples:
@@ -488,7 +487,6 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding, replicated),
                    out_shardings=(state_shardings, None), donate_argnums=(0,))
 
-  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   microbatch = config.get("microbatch_size", 0)
   # -1 (automatic) is resolved when the step is compiled (compile_train_step).
   num_microbatches = (1 if microbatch == -1 else
