@@ -22,6 +22,7 @@ from darl_jax.train import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import resumed as resumed_lib  # noqa: E402  pylint: disable=wrong-import-position
 import tiny_config  # noqa: E402  pylint: disable=wrong-import-position
 from xla_env import cpu_devices_flags  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -216,11 +217,7 @@ def test_probe_batch_norm_statistics_over_microbatches():
 def test_accumulated_run_resumes_bit_identically(tmp_path):
   config = pretrain_config("diffusion", total_steps=4, microbatch_size=8,
                            checkpoint_every_steps=2, eval_every_steps=0)
-  straight = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "a"))
-  config.stop_after_steps = 2
-  loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
-  config.stop_after_steps = 0
-  resumed = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
+  straight, resumed = resumed_lib.straight_and_resumed(pretrain.PretrainTrainer, config, tmp_path)
   assert resumed["loss"] == straight["loss"]
   assert resumed["param_norm"] == straight["param_norm"]
 

@@ -19,6 +19,7 @@ from darl_jax.train import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import resumed as resumed_lib  # noqa: E402  pylint: disable=wrong-import-position
 import tiny_config  # noqa: E402  pylint: disable=wrong-import-position
 from test_optim import _params  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -140,11 +141,7 @@ def _logged(workdir, key):
 def test_resumed_run_is_bit_identical_and_logs_the_fed_learning_rate(tmp_path):
   config = tiny(4, checkpoint_every_steps=2, **{"optim.warmup_steps": 2,
                                                 "optim.schedule": "cosine"})
-  straight = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "a"))
-  config.stop_after_steps = 2
-  loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
-  config.stop_after_steps = 0
-  resumed = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
+  straight, resumed = resumed_lib.straight_and_resumed(pretrain.PretrainTrainer, config, tmp_path)
   assert resumed["loss"] == straight["loss"]
   assert resumed["param_norm"] == straight["param_norm"]
   assert _logged(tmp_path / "a", "loss") == _logged(tmp_path / "b", "loss")
