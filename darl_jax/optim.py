@@ -138,6 +138,25 @@ def _schedule_terms(cfg, total_steps: int, steps_per_epoch: int | None,
   return kind, peak, end, warm, max(total_steps - warm, 1)
 
 
+def _schedule_fn(xp, dtype, cfg, total_steps: int, steps_per_epoch: int | None,
+                 batch_size: int | None) -> Callable:
+  """The schedule's one body, over the array module ``xp`` (jnp or np)."""
+  kind, peak, end, warm, decay = _schedule_terms(cfg, total_steps, steps_per_epoch,
+                                                 batch_size)
+
+  def schedule(step):
+    step = xp.asarray(step, dtype)
+    ramp = peak * step / max(warm, 1)
+    if kind == "constant":
+      after = xp.full_like(step, peak)
+    else:
+      frac = xp.clip((step - warm) / decay, 0.0, 1.0)
+      after = end + (peak - end) * 0.5 * (1.0 + xp.cos(math.pi * frac))
+    return xp.where(step < warm, ramp, after)
+
+  return schedule
+
+
 def make_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
                   batch_size: int | None = None) -> optax.Schedule:
   """Linear warm-up from 0 to the peak, then cosine to ``end_lr_fraction * peak``
@@ -148,20 +167,7 @@ def make_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
   This is the traceable (jnp, float32) form; the train loop feeds the step
   ``make_host_schedule``'s values instead (see ``Hyperparams``).
   """
-  kind, peak, end, warm, decay = _schedule_terms(cfg, total_steps, steps_per_epoch,
-                                                 batch_size)
-
-  def schedule(step):
-    step = jnp.asarray(step, jnp.float32)
-    ramp = peak * step / max(warm, 1)
-    if kind == "constant":
-      after = jnp.full_like(step, peak)
-    else:
-      frac = jnp.clip((step - warm) / decay, 0.0, 1.0)
-      after = end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * frac))
-    return jnp.where(step < warm, ramp, after)
-
-  return schedule
+  return _schedule_fn(jnp, jnp.float32, cfg, total_steps, steps_per_epoch, batch_size)
 
 
 def make_host_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None, *,
@@ -172,18 +178,10 @@ def make_host_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None
   ``x * (1 / c)`` differ from numpy's by an ulp here and there: the two forms
   agree to a few float32 ulps, not bitwise). Scalars in, ``np.float32`` out;
   arrays work too."""
-  kind, peak, end, warm, decay = _schedule_terms(cfg, total_steps, steps_per_epoch,
-                                                 batch_size)
+  body = _schedule_fn(np, np.float64, cfg, total_steps, steps_per_epoch, batch_size)
 
   def schedule(step):
-    step = np.asarray(step, np.float64)
-    ramp = peak * step / max(warm, 1)
-    if kind == "constant":
-      after = np.full_like(step, peak)
-    else:
-      frac = np.clip((step - warm) / decay, 0.0, 1.0)
-      after = end + (peak - end) * 0.5 * (1.0 + np.cos(math.pi * frac))
-    out = np.where(step < warm, ramp, after).astype(np.float32)
+    out = body(step).astype(np.float32)
     return out[()] if out.ndim == 0 else out
 
   return schedule
