@@ -10,6 +10,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tarfile
 import textwrap
 
 import numpy as np
@@ -107,7 +108,7 @@ def test_one_process_and_all_read_the_global_stream(data, monkeypatch):
                                 single.train_batch(2, 8, 0, 1)["image"][4:])
 
 
-def test_resume_eval_and_bad_settings(data, monkeypatch):
+def test_resume_eval_and_bad_settings(data, monkeypatch, tmp_path):
   as_process(monkeypatch, 1, 2)
   source = build_source(cfg(data, "parquet"), split="train", seed=0)
   it = source.train_iterator(8, process_index=1, process_count=2)
@@ -125,6 +126,15 @@ def test_resume_eval_and_bad_settings(data, monkeypatch):
   as_process(monkeypatch, 0, 8)
   with pytest.raises(ValueError, match="4 file.* for 8 processes.*process_files='all'"):
     build_source(cfg(data, "tar"), split="train", seed=0)
+  # A process whose own files hold nothing: every process says so (the gathered
+  # counts), none waits for the others.
+  empty = str(tmp_path / "empty.tar")
+  tarfile.open(empty, "w").close()
+  first = data["tar"][0].replace("{000000..000003}", "000000")
+  files = sorted([first, empty])
+  as_process(monkeypatch, files.index(empty), 2)   # the process that owns the empty file
+  with pytest.raises(ValueError, match="has no samples among its files.*process_files='all'"):
+    build_source(cfg(data, "tar", path=f"{first},{empty}"), split="train", seed=0)
   as_process(monkeypatch, 0, 2)
   with pytest.raises(ValueError, match="fewer than its 16 rows"):
     source = build_source(cfg(data, "tar"), split="train", seed=0)

@@ -160,7 +160,7 @@ def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
       positions.append(p)
       labels.append(-1 if label is None else int(label))
       keys.append(key if key is not None else f"{base}:{p}")
-  if not keys:
+  if not keys and owner is None:   # owned: select() says it on every process
     raise ValueError(f"the {len(files)} ArrayRecord file(s) of {pattern!r} hold no image "
                      f"records; write them with `python -m darl_jax.data.convert "
                      f"--format=arrayrecord --src=<image folder> --dst=<dir>`")

@@ -184,7 +184,10 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
   this process's own files (when ``owner``), labels (``labels`` int, -1 where
   an example has none: a split with any such is unlabeled, with one warning
   when only some are), and the log line."""
-  if not len(keys):
+  # With owned files an empty listing is found by every process at once,
+  # after the gather below (one process raising alone would leave the others
+  # waiting in it).
+  if not len(keys) and owner is None:
     raise ValueError(f"the {kind} file(s) of {pattern!r} hold no {what}s")
   rows = np.arange(len(keys))
   if hashed:

@@ -173,7 +173,7 @@ def build(config: Any, *, split: str, seed: int) -> TarShardSource:
                         else "data.path")
   owner = encoded.file_owner(config, split, len(files), pattern)
   index = _collect(files, encoded.files_to_index(len(files), owner, hashed), config)
-  if not index["keys"]:
+  if not index["keys"] and owner is None:   # owned: select() says it on every process
     raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in the {len(files)} tar "
                      f"shard(s) of {pattern!r}: a WebDataset sample is {{key}}.jpg (or "
                      f".png, .webp) beside an optional {{key}}.cls label")
