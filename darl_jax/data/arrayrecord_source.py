@@ -117,17 +117,13 @@ def index_file(path: str) -> dict:
 class ArrayRecordSource(encoded.EncodedSource):
   """Records of ArrayRecord files read by (file, position)."""
 
+  PER_PROCESS = {"_readers": dict}   # file -> open reader
+
   def __init__(self, files: list[str], file_ids: np.ndarray, positions: np.ndarray, **kwargs):
     super().__init__(what="ArrayRecord record", **kwargs)
     self.files = list(files)
     self.file_ids = np.asarray(file_ids, np.int32)
     self.positions = np.asarray(positions, np.int64)
-    self._readers: dict[int, Any] = {}
-
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_readers"] = {}       # each worker process opens its own readers
-    return state
 
   def _read(self, index: int) -> bytes:
     f = int(self.file_ids[index])

@@ -113,17 +113,13 @@ def _image_bytes(value) -> bytes:
 class HfDiskSource(encoded.EncodedSource):
   """Rows of a dataset saved with ``save_to_disk`` (see the module docstring)."""
 
+  PER_PROCESS = {"_ds": lambda: None}   # the memory-mapped dataset, opened on first use
+
   def __init__(self, path: str, split_name: str, image_column: str, rows: np.ndarray,
                **kwargs):
     super().__init__(what="dataset row", **kwargs)
     self.path, self.split_name, self.image_column = path, split_name, image_column
     self.rows = np.asarray(rows, np.int64)
-    self._ds = None
-
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_ds"] = None          # each worker process maps the files itself
-    return state
 
   def _dataset(self):
     if self._ds is None:

@@ -30,7 +30,7 @@ longer equals a 1-process run's.
 from __future__ import annotations
 
 import abc
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -41,11 +41,24 @@ from darl_jax.data.base import (AUGMENTS, Batch, CallAt, DataSource, check_proce
                                 process_range)
 
 
+def check_owner(owner: Optional[tuple[int, int]], process_index: int,
+                process_count: int) -> None:
+  """A source built as process ``owner``'s own files is read by that process only."""
+  if owner is not None and owner != (process_index, process_count):
+    raise ValueError(f"this source holds the files of process {owner[0]} of {owner[1]}, "
+                     f"not of process {process_index} of {process_count}")
+
+
 class IndexedSource(DataSource):
   """Base for sources whose example i can be loaded on demand.
 
   Subclasses implement `_load(indices, positions)`.
   """
+
+  # What a process opens for itself (files, readers, row-group caches), by
+  # attribute: made by the factory at construction and again in every
+  # pickled copy, so that each worker process opens its own.
+  PER_PROCESS: dict[str, Callable[[], Any]] = {}
 
   def __init__(self, *, labels: np.ndarray, num_classes: int, image_size: int,
                channels: int, augment: str, seed: int, crop_scale=aug.CROP_SCALE):
@@ -66,6 +79,13 @@ class IndexedSource(DataSource):
     self.crop_scale = aug.check_crop_scale(crop_scale)
     self.seed = int(seed)
     self._perms: dict[int, np.ndarray] = {}
+    for name, fresh in self.PER_PROCESS.items():
+      setattr(self, name, fresh())
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state.update({name: fresh() for name, fresh in self.PER_PROCESS.items()})
+    return state
 
   @abc.abstractmethod
   def _load(self, indices: np.ndarray,
@@ -94,20 +114,23 @@ class IndexedSource(DataSource):
     self.num_examples = sum(self.process_examples)
 
   def _check_owner(self, process_index: int, process_count: int) -> None:
-    if self.owner is not None and self.owner != (process_index, process_count):
-      raise ValueError(f"this source holds the files of process {self.owner[0]} of "
-                       f"{self.owner[1]}, not of process {process_index} of {process_count}")
+    check_owner(self.owner, process_index, process_count)
 
   def epoch_rng(self, epoch: int) -> np.random.Generator:
     """The generator of training epoch ``epoch``'s order."""
     key = [self.seed, epoch] if self.owner is None else [self.seed, epoch, self.owner[0]]
     return np.random.default_rng(np.random.SeedSequence(key))
 
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """The example order of training epoch ``epoch``, made anew: a uniform
+    permutation (sources that read in blocks override it)."""
+    return self.epoch_rng(epoch).permutation(self.size)
+
   def epoch_permutation(self, epoch: int) -> np.ndarray:
-    """The example order of training epoch ``epoch`` (int64 [size])."""
+    """The example order of training epoch ``epoch`` (int64 [size]), cached."""
     perm = self._perms.get(epoch)
     if perm is None:
-      perm = self.epoch_rng(epoch).permutation(self.size)
+      perm = self.epoch_order(epoch)
       # A batch touches at most a few consecutive epochs: keep a small cache.
       if len(self._perms) >= 4:
         self._perms.pop(min(self._perms))

@@ -50,7 +50,7 @@ from absl import logging
 from darl_jax.data import pipeline
 from darl_jax.data.base import (Batch, CallAt, DataSource, cfg_get, check_process,
                                 local_batch_size, warn_once)
-from darl_jax.data.indexed import IndexedSource
+from darl_jax.data.indexed import IndexedSource, check_owner
 
 BLOCK = 1000
 LOG_EVERY = 1000
@@ -208,9 +208,7 @@ class MixtureSource(DataSource):
     if self.owner is None:      # this process's slice of the global stream
       start = step * batch_size + process_index * local
     else:                       # this process's own stream
-      if self.owner != (process_index, process_count):
-        raise ValueError(f"this mixture holds the files of process {self.owner[0]} of "
-                         f"{self.owner[1]}, not of process {process_index} of {process_count}")
+      check_owner(self.owner, process_index, process_count)
       start = step * local
     comp, pos = self.assign(np.arange(start, start + local, dtype=np.int64))
     images = np.zeros((local, *self.image_shape), np.uint8)

@@ -80,6 +80,8 @@ def _image_bytes(column, image_column: str, path: str):
 class ParquetSource(encoded.EncodedSource):
   """Rows of Parquet files (see the module docstring)."""
 
+  PER_PROCESS = {"_handles": dict, "_cache": collections.OrderedDict}
+
   def __init__(self, files: list[str], file_ids: np.ndarray, groups: np.ndarray,
                rows: np.ndarray, image_column: str, **kwargs):
     super().__init__(what="Parquet row", **kwargs)
@@ -89,32 +91,20 @@ class ParquetSource(encoded.EncodedSource):
     self.rows = np.asarray(rows, np.int64)
     # One id per (file, row group): the unit of reading and of shuffling.
     self.blocks = self.file_ids.astype(np.int64) * (int(self.groups.max(initial=0)) + 1) + self.groups
-    self._handles: dict[int, Any] = {}
-    self._cache: collections.OrderedDict = collections.OrderedDict()
 
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_handles"], state["_cache"] = {}, collections.OrderedDict()
-    return state
-
-  def epoch_permutation(self, epoch: int) -> np.ndarray:
-    perm = self._perms.get(epoch)
-    if perm is None:
-      rng = self.epoch_rng(epoch)
-      ids, members = np.unique(self.blocks, return_inverse=True)
-      order = np.argsort(members, kind="stable")
-      starts = np.searchsorted(members[order], np.arange(len(ids) + 1))
-      block_order = rng.permutation(len(ids))
-      parts = []
-      for w in range(0, len(ids), SHUFFLE_WINDOW):
-        window = np.concatenate([order[starts[b]:starts[b + 1]]
-                                 for b in block_order[w:w + SHUFFLE_WINDOW]])
-        parts.append(rng.permutation(window))
-      perm = np.concatenate(parts)
-      if len(self._perms) >= 4:
-        self._perms.pop(min(self._perms))
-      self._perms[epoch] = perm
-    return perm
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """Row groups permuted, rows shuffled within windows of SHUFFLE_WINDOW of them."""
+    rng = self.epoch_rng(epoch)
+    ids, members = np.unique(self.blocks, return_inverse=True)
+    order = np.argsort(members, kind="stable")
+    starts = np.searchsorted(members[order], np.arange(len(ids) + 1))
+    block_order = rng.permutation(len(ids))
+    parts = []
+    for w in range(0, len(ids), SHUFFLE_WINDOW):
+      window = np.concatenate([order[starts[b]:starts[b + 1]]
+                               for b in block_order[w:w + SHUFFLE_WINDOW]])
+      parts.append(rng.permutation(window))
+    return np.concatenate(parts)
 
   def _group(self, file_id: int, group: int):
     key = (file_id, group)

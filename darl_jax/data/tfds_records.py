@@ -42,6 +42,7 @@ class TfdsRecordSource(IndexedSource):
   """One split of a prepared TFDS dataset, read record by record."""
 
   decodes_files = True
+  PER_PROCESS = {"_records": lambda: None}   # the record reader, opened on first use
 
   def __init__(self, name: str, split: str, data_dir: Optional[str], *, num_examples: int,
                num_classes: int, image_size: int, channels: int, augment: str, seed: int,
@@ -53,16 +54,10 @@ class TfdsRecordSource(IndexedSource):
                      crop_scale=crop_scale)
     self.name, self.split, self.data_dir = name, split, data_dir
     self.crop_fraction = float(crop_fraction)
-    self._records = None        # opened on first use, in each process
 
   def set_num_examples(self, num: int) -> None:
     self.labels = np.zeros((num,), np.int32)
     self.size = self.num_examples = int(num)
-
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_records"] = None    # worker processes open their own reader
-    return state
 
   def records(self):
     if self._records is None:

@@ -105,6 +105,8 @@ def index_shard(shard: str, label_key: str = "label") -> dict:
 class TarShardSource(encoded.EncodedSource):
   """Samples of tar shards read by offset (see the module docstring)."""
 
+  PER_PROCESS = {"_open": dict}     # shard -> open file, most recently used last
+
   def __init__(self, files: list[str], shard_ids: np.ndarray, offsets: np.ndarray,
                sizes: np.ndarray, **kwargs):
     super().__init__(what="tar member", **kwargs)
@@ -112,12 +114,6 @@ class TarShardSource(encoded.EncodedSource):
     self.shard_ids = np.asarray(shard_ids, np.int32)
     self.offsets = np.asarray(offsets, np.int64)
     self.sizes = np.asarray(sizes, np.int64)
-    self._open: dict[int, Any] = {}
-
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_open"] = {}       # each worker process opens its own files
-    return state
 
   def _file(self, shard: int):
     f = self._open.pop(shard, None)
