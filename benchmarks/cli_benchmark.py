@@ -145,23 +145,29 @@ def summary(result: dict, skip: int) -> dict:
 SHARDED = {"tar": "tar", "arrayrecord": "arrayrecord", "parquet": "parquet"}
 
 
-def shards_of(folder: str, fmt: str) -> list[str]:
-  """The CLI's data overrides for ``folder`` converted (once) into ``fmt`` shards
-  of 1000 images beside it; the split folders' val/ is the evaluation split."""
+def shard_config(folder: str, dst: str, fmt: str, shard_size: int = 1000) -> dict:
+  """The data config (name, path, eval_path) of ``folder``'s images written
+  into ``fmt`` shards of ``shard_size`` under ``dst`` (``python -m
+  darl_jax.data.convert``); the split folders' val/ is the evaluation split.
+  Converted once: a ``DONE`` file marks a finished conversion."""
   sys.path.insert(0, ROOT)
   from darl_jax.data import convert  # pylint: disable=g-import-not-at-top
-  dst = f"{folder.rstrip('/')}_{fmt}"
-  done = os.path.join(dst, "DONE")
-  if not os.path.exists(done):
+  if not os.path.exists(os.path.join(dst, "DONE")):
     t0 = time.perf_counter()
     shutil.rmtree(dst, ignore_errors=True)
-    convert.convert(folder, dst, fmt, shard_size=1000)
-    open(done, "w").close()
+    convert.convert(folder, dst, fmt, shard_size=shard_size)
+    open(os.path.join(dst, "DONE"), "w").close()
     print(f"{fmt} shards {dst} ({time.perf_counter() - t0:.0f} s)", flush=True)
   ext = convert.WRITERS[fmt].suffix
-  return [f"--config.data.name={convert.SOURCE_NAMES[fmt]}",
-          f"--config.data.path={dst}/train-*{ext}",
-          f"--config.data.eval_path={dst}/validation-*{ext}"]
+  return {"name": convert.SOURCE_NAMES[fmt], "path": f"{dst}/train-*{ext}",
+          "eval_path": f"{dst}/validation-*{ext}"}
+
+
+def shards_of(folder: str, fmt: str) -> list[str]:
+  """The CLI's data overrides for ``folder`` converted (once) into ``fmt`` shards
+  of 1000 images beside it."""
+  config = shard_config(folder, f"{folder.rstrip('/')}_{fmt}", fmt)
+  return [f"--config.data.{key}={value}" for key, value in config.items()]
 
 
 def main():

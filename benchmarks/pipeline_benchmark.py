@@ -13,10 +13,11 @@ generates (300-500 px, quality 90), prints images/s of
   with ``augment=spatial`` (darl_jax/data/pipeline.py), N worker processes
   (0: in this process), batches drawn as the loop draws them;
 - ``pipeline, FORMAT, N workers`` for each other ``--formats`` entry: the same
-  JPEG bytes (unchanged, so the same decode and crop) in tar shards or
-  ArrayRecord files (``python -m darl_jax.data.convert``), a Parquet file
-  (row groups of 256) or a Hugging Face dataset saved with ``save_to_disk``
-  (needs the ``hf`` extra), written to a temporary folder before timing;
+  JPEG bytes (unchanged, so the same decode and crop) in tar shards,
+  ArrayRecord or Parquet files (``python -m darl_jax.data.convert``; Parquet
+  in Hugging Face's image layout, row groups of 256) or a Hugging Face
+  dataset saved with ``save_to_disk`` (needs the ``hf`` extra), written to a
+  temporary folder before timing;
 
 each timed for ``--seconds`` after a warm-up batch (the median of
 ``--repeats`` rounds over all rows), with its ratio to the plain loop and to
@@ -68,20 +69,12 @@ def plain_loop_rate(paths: list[str], size: int, batch: int, seconds: float) -> 
 
 def write_format(fmt: str, root: str, paths: list[str], dst: str) -> dict:
   """The data config of ``root``'s training images written as ``fmt`` under ``dst``."""
-  if fmt in ("tar", "arrayrecord"):
-    out = convert.convert(root, dst, fmt)
-    return {"name": "webdataset" if fmt == "tar" else fmt, "path": ",".join(out["train"]),
-            "eval_path": ",".join(out["validation"])}
+  if fmt in convert.FORMATS:
+    return cli_benchmark.shard_config(root, dst, fmt, shard_size=10_000)
   images = []
   for path in paths:
     with open(path, "rb") as f:
       images.append(f.read())
-  if fmt == "parquet":
-    import pyarrow as pa  # pylint: disable=g-import-not-at-top
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    pq.write_table(pa.table({"image": images}), os.path.join(dst, "train.parquet"),
-                   row_group_size=256)
-    return {"name": "parquet", "path": os.path.join(dst, "train.parquet"), "val_split_size": 0}
   if fmt == "hf_disk":
     import datasets  # pylint: disable=g-import-not-at-top
     datasets.Dataset.from_dict({"image": images}).save_to_disk(os.path.join(dst, "hf"))

@@ -12,6 +12,7 @@ import pytest
 from darl_jax.data import build_source, convert, image_folder, shards, webdataset
 import image_files
 
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
   """train/ and val/ with two class folders of PNG and JPEG images."""
