@@ -135,8 +135,7 @@ class ArrayRecordSource(encoded.EncodedSource):
 
 
 def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
-  pattern, hashed = encoded.split_files(config, split, "arrayrecord")
-  files = shards.expand(pattern, "data.path" if split == "train" or hashed else "data.eval_path")
+  pattern, files, hashed = encoded.split_files(config, split, "arrayrecord")
   owner = encoded.file_owner(config, split, len(files), pattern)
   cache_dir = cfg_get(config, "index_cache_dir", None)
   file_ids, positions, labels, keys = [], [], [], []

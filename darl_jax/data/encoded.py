@@ -38,7 +38,7 @@ import numpy as np
 from absl import logging
 
 from darl_jax.data import augment as aug
-from darl_jax.data import image_folder
+from darl_jax.data import image_folder, shards
 from darl_jax.data.base import cfg_get, gather_ints, this_process, warn_once
 from darl_jax.data.indexed import IndexedSource
 
@@ -108,20 +108,18 @@ def hash_split(keys: Sequence[str], split: str, val_split_size: Optional[int],
   return np.asarray(sorted(chosen), np.int64)
 
 
-def split_files(config: Any, split: str, what: str) -> tuple[str, bool]:
-  """(the file pattern of ``split``, whether it must be hash-split): the
-  training split reads ``data.path``; validation and test read
-  ``data.eval_path`` when it is set, else ``data.path`` with a hash split."""
+def split_files(config: Any, split: str, what: str) -> tuple[str, list[str], bool]:
+  """(the file pattern of ``split``, its files, whether it must be
+  hash-split): the training split reads ``data.path``; validation and test
+  read ``data.eval_path`` when it is set, else ``data.path`` with a hash split."""
   path = cfg_get(config, "path", None)
   if not path:
     raise ValueError(f"the {what} source needs data.path (the shard files, e.g. "
                      f"'shards/train-{{000000..000099}}.tar' or a glob)")
   eval_path = cfg_get(config, "eval_path", None)
-  if split == "train":
-    return path, not eval_path
-  if eval_path:
-    return eval_path, False
-  return path, True
+  if split != "train" and eval_path:
+    return eval_path, shards.expand(eval_path, "data.eval_path"), False
+  return path, shards.expand(path, "data.path"), split != "train" or not eval_path
 
 
 def num_classes_of(config: Any, found: int, has_labels: bool) -> int:

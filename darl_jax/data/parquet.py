@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from darl_jax.data import encoded, shards
+from darl_jax.data import encoded
 from darl_jax.data.base import cfg_get
 
 SHUFFLE_WINDOW = 4
@@ -149,8 +149,7 @@ def _file_rows(path: str, image_column: str, label_column: str, explicit_label: 
 
 
 def build(config: Any, *, split: str, seed: int) -> ParquetSource:
-  pattern, hashed = encoded.split_files(config, split, "parquet")
-  files = shards.expand(pattern, "data.path" if split == "train" or hashed else "data.eval_path")
+  pattern, files, hashed = encoded.split_files(config, split, "parquet")
   owner = encoded.file_owner(config, split, len(files), pattern)
   image_column = cfg_get(config, "image_column", "image")
   label_column = cfg_get(config, "label_column", "label")

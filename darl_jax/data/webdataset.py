@@ -164,9 +164,7 @@ def _collect(files: list[str], wanted: list[int], config: Any) -> dict:
 
 
 def build(config: Any, *, split: str, seed: int) -> TarShardSource:
-  pattern, hashed = encoded.split_files(config, split, "webdataset")
-  files = shards.expand(pattern, "data.eval_path" if split != "train" and not hashed
-                        else "data.path")
+  pattern, files, hashed = encoded.split_files(config, split, "webdataset")
   owner = encoded.file_owner(config, split, len(files), pattern)
   index = _collect(files, encoded.files_to_index(len(files), owner, hashed), config)
   if not index["keys"] and owner is None:   # owned: select() says it on every process
