@@ -89,8 +89,13 @@ def test_each_process_reads_only_its_own_files(data, fmt, monkeypatch):
     seen += [source.names[i] for i in idx]
     batch = source.train_batch(0, 8, p, 2)
     assert batch["image"].shape == (4, 8, 8, 3)
+    # Its indices name its own examples; another process's rows come from
+    # that process's stream, which it builds from those files when asked.
     with pytest.raises(ValueError, match="process 1 of 2|process 0 of 2"):
-      source.train_batch(0, 8, 1 - p, 2)
+      source.train_indices(0, 8, 1 - p, 2)
+  for p, source in enumerate(sources):
+    np.testing.assert_array_equal(source.train_batch(1, 8, 1 - p, 2)["image"],
+                                  sources[1 - p].train_batch(1, 8, 1 - p, 2)["image"])
   # The two streams share no example, and together cover the split.
   assert len(seen) == len(set(seen)) == 24
   # Validation is every process's slice of the whole split.
@@ -113,8 +118,9 @@ def test_resume_eval_and_bad_settings(data, monkeypatch, tmp_path):
   source = build_source(cfg(data, "parquet"), split="train", seed=0)
   it = source.train_iterator(8, process_index=1, process_count=2)
   straight = [next(it)["image"] for _ in range(5)]
+  assert it.get_state() == {"next_step": 5, "streams": 2}   # one stream per process
   resumed = source.train_iterator(8, start_step=3, process_index=1, process_count=2,
-                                  state={"next_step": 3})
+                                  state={"next_step": 3, "streams": 2})
   np.testing.assert_array_equal(next(resumed)["image"], straight[3])
   # An evaluation pass over the owned training split: its own 12 rows.
   batches = list(source.eval_batches(8, 1, 2))

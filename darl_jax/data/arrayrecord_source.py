@@ -134,9 +134,10 @@ class ArrayRecordSource(encoded.EncodedSource):
     return decode_record(data)["image"]
 
 
-def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
+def build(config: Any, *, split: str, seed: int, stream=None) -> ArrayRecordSource:
+  # stream (g, S): the source of stream g's files (encoded.make, indexed.py).
   pattern, files, hashed = encoded.split_files(config, split, "arrayrecord")
-  owner = encoded.file_owner(config, split, len(files), pattern)
+  owner = encoded.file_owner(config, split, len(files), pattern, stream)
   cache_dir = cfg_get(config, "index_cache_dir", None)
   file_ids, positions, labels, keys = [], [], [], []
   for f in encoded.files_to_index(len(files), owner, hashed):
@@ -162,6 +163,7 @@ def build(config: Any, *, split: str, seed: int) -> ArrayRecordSource:
   file_ids = np.asarray(file_ids, np.int32)
   chosen = encoded.select(config, split, kind="arrayrecord", pattern=pattern, hashed=hashed,
                           owner=owner, num_files=len(files), file_ids=file_ids, keys=keys,
-                          labels=labels, what="record")
+                          labels=labels, what="record", gather=stream is None)
   return encoded.make(ArrayRecordSource, config, seed, chosen, keys, files,
-                      file_ids[chosen.rows], np.asarray(positions, np.int64)[chosen.rows])
+                      file_ids[chosen.rows], np.asarray(positions, np.int64)[chosen.rows],
+                      build=build, split=split)

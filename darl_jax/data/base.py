@@ -77,6 +77,43 @@ def process_range(num: int, process_index: int,
   return lo, hi
 
 
+def stream_rows(step: int, batch_size: int, process_index: int, process_count: int,
+                streams: int) -> list[tuple[int, slice, np.ndarray]]:
+  """Where the rows of process p's local batch of global step ``step`` come
+  from, when the global batch is made of ``streams`` streams: rows
+  ``[g * B/S, (g + 1) * B/S)`` of the global batch are positions
+  ``[step * B/S, (step + 1) * B/S)`` of stream g (S = ``streams``), and
+  process p reads rows ``[p * b, (p + 1) * b)`` (b = B / P). Returns
+  ``[(g, rows of the local batch, positions in stream g)]`` in row order:
+  one entry when the process's rows lie inside one stream (P a multiple of
+  S), several when they span streams (S a multiple of P, or neither).
+  The global batch depends on (step, B, S), never on P."""
+  local = local_batch_size(batch_size, process_count)
+  if streams <= 0 or batch_size % streams:
+    raise ValueError(f"batch_size {batch_size} is not divisible by the {streams} data "
+                     f"streams the run started with: keep the run's batch_size")
+  per = batch_size // streams
+  out, row, end = [], process_index * local, (process_index + 1) * local
+  while row < end:
+    g = row // per
+    stop = min(end, (g + 1) * per)
+    first = step * per + row - g * per
+    out.append((g, slice(row - process_index * local, stop - process_index * local),
+                np.arange(first, first + stop - row, dtype=np.int64)))
+    row = stop
+  return out
+
+
+def stream_state(streams: int) -> dict:
+  """The data state's entry for ``streams`` (``stream_rows``) beside the step:
+  none for one global stream, the state every checkpoint of a source with
+  one stream held before streams were recorded. (A checkpoint of that time
+  from a run whose processes read their own files, data.process_files='own',
+  had one stream per process: resumed now it continues as one global
+  stream, a new order for the rest of that epoch.)"""
+  return {} if streams == 1 else {"streams": int(streams)}
+
+
 def num_eval_batches(num: int, local_batch: int, process_count: int) -> int:
   """Eval batches per process: equal on all processes (the largest slice
   decides), because multi-host steps are collective and every process must
@@ -150,7 +187,9 @@ class DataSource(abc.ABC):
     ``start_step`` on, with ``get_state()`` / ``set_state()`` (the state a
     checkpoint stores; ``state``, if given, must agree with ``start_step``).
     Random-access sources build batches in ``num_workers`` processes
-    (-1: the host's share of cores, 0: in this process)."""
+    (-1: the host's share of cores, 0: in this process); their state also
+    holds the number of streams the run started with (``streams``), which a
+    resumed run keeps whatever its process count."""
     from darl_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
@@ -161,10 +200,79 @@ class DataSource(abc.ABC):
           start_step)
     if self.num_examples == 0:
       raise ValueError("cannot train on an empty split")
+    streams = self.resumed_streams(state, process_count)
+    self.use_streams(streams, batch_size, process_index, process_count)
     return pipeline.StepIterator(
         CallAt(self, "train_batch", batch_size, process_index, process_count),
         start_step=start_step,
-        num_workers=pipeline.resolve_num_workers(num_workers))
+        num_workers=pipeline.resolve_num_workers(num_workers), state=stream_state(streams))
+
+  # -- streams (random-access sources) ----------------------------------------
+  #
+  # A global batch is made of S streams, each a pure function of (seed, its
+  # positions): rows [g * B/S, (g + 1) * B/S) of step s are positions
+  # [s * B/S, (s + 1) * B/S) of stream g (``stream_rows``). S is fixed when a
+  # run starts (``default_streams``: 1, one global stream, unless the source
+  # splits its files between processes) and kept in the data state, so that
+  # a run resumed on another number of processes reads the same global
+  # batches: each process takes its rows, from whichever streams hold them.
+
+  def default_streams(self, process_count: int) -> int:
+    """S for a run that starts on ``process_count`` processes."""
+    del process_count
+    return 1
+
+  def resumed_streams(self, state: dict | None, process_count: int) -> int:
+    """S of a run: the data state's when resumed (``stream_state``: no
+    ``streams`` entry is one stream), else ``default_streams``."""
+    if state is not None:
+      return int(state.get("streams", 1))
+    return self.default_streams(process_count)
+
+  def stream_source(self, stream: int, streams: int) -> "DataSource":
+    """The source of stream ``stream`` of ``streams`` (``stream_batch``)."""
+    if streams == 1:
+      return self
+    raise ValueError(
+        f"the checkpoint's data stream is made of {streams} streams (each process's own "
+        f"files, data.process_files='own', when the run started), but "
+        f"{type(self).__name__} reads one global stream: set "
+        f"--config.data.process_files=own and the run's data.path")
+
+  def stream_batch(self, positions: np.ndarray) -> Batch:
+    """The examples at ``positions`` of this stream (random-access sources)."""
+    raise NotImplementedError(f"{type(self).__name__} has no streams")
+
+  def use_streams(self, streams: int, batch_size: int, process_index: int,
+                  process_count: int) -> None:
+    """Makes ``train_batch`` read ``streams`` streams, and builds (here, in
+    the training process, before the source is sent to worker processes)
+    the sources of the streams whose rows process ``process_index`` reads."""
+    needed = [g for g, _, _ in stream_rows(0, batch_size, process_index, process_count,
+                                           streams)]
+    cache = self.__dict__.setdefault("_stream_sources", {})
+    for g in needed:
+      if (g, streams) not in cache:
+        cache[(g, streams)] = self.stream_source(g, streams)
+    self._streams = int(streams)
+
+  def streamed_batch(self, step: int, batch_size: int, process_index: int,
+                     process_count: int) -> Batch:
+    """Process p's local batch of ``step``, its rows read from the streams
+    that hold them (``stream_rows``)."""
+    streams = self.__dict__.get("_streams")
+    if streams is None:       # called directly (tests, wrappers): a new run's streams
+      streams = self.default_streams(process_count)
+      self.use_streams(streams, batch_size, process_index, process_count)
+    parts = stream_rows(step, batch_size, process_index, process_count, streams)
+    cache = self.__dict__["_stream_sources"]
+    for g, _, _ in parts:
+      if (g, streams) not in cache:   # another process's rows: its streams too
+        cache[(g, streams)] = self.stream_source(g, streams)
+    batches = [cache[(g, streams)].stream_batch(positions) for g, _, positions in parts]
+    if len(batches) == 1:
+      return batches[0]
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
   def train_batches(self, batch_size: int, start_step: int = 0,
                     process_index: int = 0,

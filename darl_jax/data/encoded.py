@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import hashlib
 import io
 from typing import Any, Optional, Sequence
@@ -137,17 +138,19 @@ def num_classes_of(config: Any, found: int, has_labels: bool) -> int:
 PROCESS_FILES = ("own", "all")
 
 
-def file_owner(config: Any, split: str, num_files: int,
-               pattern: str) -> Optional[tuple[int, int]]:
+def file_owner(config: Any, split: str, num_files: int, pattern: str,
+               stream: Optional[tuple[int, int]] = None) -> Optional[tuple[int, int]]:
   """(p, P) when this process reads only its own files of ``split`` (the
-  module docstring), else None."""
+  module docstring), else None. ``stream`` (g, S): the files of stream g of
+  S instead (a run resumed on another number of processes, indexed.py);
+  None when S is 1 (every file)."""
   mode = cfg_get(config, "process_files", "own")
   if mode not in PROCESS_FILES:
     raise ValueError(f"data.process_files must be one of {', '.join(PROCESS_FILES)}, "
                      f"got {mode!r}")
   if split != "train" or mode == "all":
     return None
-  p, count = this_process()
+  p, count = this_process() if stream is None else stream
   if count == 1:
     return None
   if num_files < count:
@@ -156,6 +159,11 @@ def file_owner(config: Any, split: str, num_files: int,
                      f"least {count} shards (python -m darl_jax.data.convert --shard_size=...) "
                      f"or set data.process_files='all'")
   return p, count
+
+
+def splits_files(config: Any, split: str) -> bool:
+  """Whether the training files of ``split`` can be split between streams."""
+  return split == "train" and cfg_get(config, "process_files", "own") == "own"
 
 
 def files_to_index(num_files: int, owner: Optional[tuple[int, int]], hashed: bool) -> list[int]:
@@ -177,15 +185,18 @@ class Selection:
 
 def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
            owner: Optional[tuple[int, int]], num_files: int, file_ids: np.ndarray,
-           keys: Sequence[str], labels: np.ndarray, what: str) -> Selection:
+           keys: Sequence[str], labels: np.ndarray, what: str,
+           gather: bool = True) -> Selection:
   """The examples of ``split`` from a listing: the hash split (when ``hashed``),
   this process's own files (when ``owner``), labels (``labels`` int, -1 where
   an example has none: a split with any such is unlabeled, with one warning
-  when only some are), and the log line."""
+  when only some are), and the log line. ``gather=False``: the files of one
+  stream built by one process alone (indexed.py), no collective; its labels
+  were judged when the run started."""
   # With owned files an empty listing is found by every process at once,
   # after the gather below (one process raising alone would leave the others
   # waiting in it).
-  if not len(keys) and owner is None:
+  if not len(keys) and (owner is None or not gather):
     raise ValueError(f"the {kind} file(s) of {pattern!r} hold no {what}s")
   rows = np.arange(len(keys))
   if hashed:
@@ -196,7 +207,7 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
   missing = int((raw < 0).sum())
   found = int(raw.max()) + 1 if len(raw) else 0
   counts = None
-  if owner is not None:   # what the processes' own files hold together
+  if owner is not None and gather:   # what the processes' own files hold together
     everyone = gather_ints([len(rows), missing, found], owner[1])
     counts = [int(n) for n in everyone[:, 0]]
     if min(counts) == 0:
@@ -212,22 +223,35 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
   labels = raw.astype(np.int32) if has_labels else np.zeros(len(raw), np.int32)
   mine = "" if owner is None else (
       f"; this process reads its own {len(range(owner[0], num_files, owner[1]))} file(s) "
-      f"(process {owner[0]} of {owner[1]}), {len(rows)} {what}s")
+      f"(process {owner[0]} of {owner[1]}), {len(rows)} {what}s" if gather else
+      f"; stream {owner[0]} of {owner[1]}: {len(range(owner[0], num_files, owner[1]))} "
+      f"file(s), {len(rows)} {what}s")
   logging.info("%s %s (%s): %d %ss in %d file(s)%s%s", kind, pattern, split, total, what,
                num_files, "" if has_labels else ", unlabeled", mine)
   return Selection(rows, labels, num_classes_of(config, found, has_labels), owner, counts)
 
 
 def make(cls, config: Any, seed: int, selection: Selection, names: Sequence[str], *args,
-         **kwargs) -> EncodedSource:
+         build=None, split: str = "", **kwargs) -> EncodedSource:
   """``cls(*args, **kwargs)`` with the selection's labels and ``data``'s image
-  settings; marked as this process's own files when it is."""
+  settings; marked as this process's own files when it is. ``build`` (the
+  builder, ``build(config, split=, seed=, stream=)``) lets a training split
+  of owned files (``splits_files``) build the source of any stream (g, S)."""
   source = cls(*args, labels=selection.labels, num_classes=selection.num_classes,
                names=[names[i] for i in selection.rows],
                image_size=int(cfg_get(config, "image_size", 64)),
                channels=int(cfg_get(config, "channels", 3)),
                augment=cfg_get(config, "augment", "none"), seed=seed,
                crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE), **kwargs)
-  if selection.owner is not None:
+  if selection.owner is not None and selection.process_examples is not None:
     source.own_files(selection.owner[0], selection.process_examples)
+  elif selection.owner is not None:      # one stream's files (select(gather=False))
+    source.owner = selection.owner
+  if build is not None and splits_files(config, split):
+    source.regroup = functools.partial(_build_stream, build, config, split, seed)
   return source
+
+
+def _build_stream(build, config: Any, split: str, seed: int,
+                  stream: tuple[int, int]) -> EncodedSource:
+  return build(config, split=split, seed=seed, stream=stream)

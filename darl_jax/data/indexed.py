@@ -79,12 +79,18 @@ class IndexedSource(DataSource):
     self.crop_scale = aug.check_crop_scale(crop_scale)
     self.seed = int(seed)
     self._perms: dict[int, np.ndarray] = {}
+    # The builder of stream (g, S)'s source, for sources whose training files
+    # can be split between streams (encoded.make sets it); None: one global
+    # stream only.
+    self.regroup: Optional[Callable[[tuple[int, int]], "IndexedSource"]] = None
     for name, fresh in self.PER_PROCESS.items():
       setattr(self, name, fresh())
 
   def __getstate__(self):
     state = dict(self.__dict__)
     state.update({name: fresh() for name, fresh in self.PER_PROCESS.items()})
+    # Worker processes read the streams built for them; they build none.
+    state["regroup"] = None
     return state
 
   @abc.abstractmethod
@@ -115,6 +121,47 @@ class IndexedSource(DataSource):
 
   def _check_owner(self, process_index: int, process_count: int) -> None:
     check_owner(self.owner, process_index, process_count)
+
+  # -- streams (base.DataSource; the module docstring) ------------------------
+
+  def default_streams(self, process_count: int) -> int:
+    """One stream per process when the training files are split between
+    processes (data.process_files='own'), else one global stream."""
+    return process_count if self.regroup is not None else 1
+
+  def stream_source(self, stream: int, streams: int) -> "IndexedSource":
+    """This source when it holds stream ``stream`` of ``streams`` (one stream:
+    the whole split), else the source of that stream's files, built now."""
+    want = None if streams == 1 else (int(stream), int(streams))
+    if self.owner == want:
+      return self
+    if self.regroup is None:
+      return super().stream_source(stream, streams)
+    source = self.regroup((int(stream), int(streams)))
+    source.num_examples = self.num_examples
+    return source
+
+  def use_streams(self, streams: int, batch_size: int, process_index: int,
+                  process_count: int) -> None:
+    super().use_streams(streams, batch_size, process_index, process_count)
+    rows = batch_size // streams
+    for (g, count), source in self._stream_sources.items():
+      if count == streams and streams > 1 and source.size < rows:
+        raise ValueError(f"the files of stream {g} of {streams} hold {source.size} examples, "
+                         f"fewer than its {rows} rows of a batch: write more, smaller shards "
+                         f"or set data.process_files='all'")
+
+  def stream_positions(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(examples, crop counters) at ``positions`` of this source's stream:
+    the global stream, or stream g of S (counters ``positions * S + g``,
+    distinct over the streams)."""
+    counters = positions if self.owner is None else positions * self.owner[1] + self.owner[0]
+    return self.stream_indices(positions), counters
+
+  def stream_batch(self, positions: np.ndarray) -> Batch:
+    indices, counters = self.stream_positions(positions)
+    images, labels = self._examples(indices, counters if self.augment == "spatial" else None)
+    return {"image": images, "label": labels}
 
   def epoch_rng(self, epoch: int) -> np.random.Generator:
     """The generator of training epoch ``epoch``'s order."""
@@ -176,11 +223,7 @@ class IndexedSource(DataSource):
 
   def train_batch(self, step: int, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> Batch:
-    indices, positions = self.train_indices(step, batch_size, process_index,
-                                            process_count)
-    spatial = self.augment == "spatial"
-    images, labels = self._examples(indices, positions if spatial else None)
-    return {"image": images, "label": labels}
+    return self.streamed_batch(step, batch_size, process_index, process_count)
 
   # -- evaluation -----------------------------------------------------------
 

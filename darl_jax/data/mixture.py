@@ -49,8 +49,8 @@ from absl import logging
 
 from darl_jax.data import pipeline
 from darl_jax.data.base import (Batch, CallAt, DataSource, cfg_get, check_process,
-                                local_batch_size, warn_once)
-from darl_jax.data.indexed import IndexedSource, check_owner
+                                local_batch_size, stream_state, warn_once)
+from darl_jax.data.indexed import IndexedSource
 
 BLOCK = 1000
 LOG_EVERY = 1000
@@ -162,6 +162,8 @@ class MixtureSource(DataSource):
     if len(owners) > 1:
       raise ValueError(f"data.mixture components were built for different processes: {owners}")
     self.owner = owners.pop() if owners else None
+    # The stream this mixture reads: (g, S), or None for the one global stream.
+    self.stream = self.owner
     self.counts = slot_counts(weights)
     self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -202,31 +204,53 @@ class MixtureSource(DataSource):
       out = out + np.bincount(owner[:rest], minlength=len(self.counts))
     return out
 
-  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
-                  process_count: int = 1) -> Batch:
-    local = local_batch_size(batch_size, process_count)
-    if self.owner is None:      # this process's slice of the global stream
-      start = step * batch_size + process_index * local
-    else:                       # this process's own stream
-      check_owner(self.owner, process_index, process_count)
-      start = step * local
-    comp, pos = self.assign(np.arange(start, start + local, dtype=np.int64))
-    images = np.zeros((local, *self.image_shape), np.uint8)
-    labels = np.zeros((local,), np.int32)
+  # -- streams (base.DataSource): the mixture of stream g mixes each owned
+  # component's stream g and the shared components' positions k * S + g.
+
+  def default_streams(self, process_count: int) -> int:
+    split = any(c.regroup is not None for c in self.components)
+    return process_count if split else 1
+
+  def stream_source(self, stream: int, streams: int) -> "MixtureSource":
+    want = None if streams == 1 else (int(stream), int(streams))
+    if self.stream == want:
+      return self
+    if not any(c.regroup is not None for c in self.components):
+      return super().stream_source(stream, streams)
+    parts = [c.stream_source(stream, streams) if c.regroup is not None else c
+             for c in self.components]
+    mixed = MixtureSource(parts, self.specs, self.weights, self.seed)
+    mixed.stream = want
+    return mixed
+
+  def stream_batch(self, positions: np.ndarray) -> Batch:
+    comp, pos = self.assign(positions)
+    images = np.zeros((len(positions), *self.image_shape), np.uint8)
+    labels = np.zeros((len(positions),), np.int32)
     for j, source in enumerate(self.components):
       sel = np.flatnonzero(comp == j)
       if not len(sel):
         continue
-      if self.owner is None:
-        idx, counters = source.stream_indices(pos[sel]), pos[sel]
+      if source.owner is None and self.stream is not None:
+        # A component every stream shares: stream g of S takes its global
+        # positions k * S + g, so that no two streams read the same one.
+        g, count = self.stream
+        spread = pos[sel] * count + g
+        idx, counters = source.stream_indices(spread), spread
       else:
-        idx, counters = source.process_stream(pos[sel], process_index, process_count)
+        idx, counters = source.stream_positions(pos[sel])
       spatial = source.augment == "spatial"
       images[sel], labels[sel] = source._examples(idx, counters if spatial else None)  # pylint: disable=protected-access
     return {"image": images, "label": labels if self.num_classes else labels * 0}
 
+  def train_batch(self, step: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> Batch:
+    local_batch_size(batch_size, process_count)
+    return self.streamed_batch(step, batch_size, process_index, process_count)
+
   def log_counts(self, step: int, batch_size: int) -> None:
-    per_stream = batch_size if self.owner is None else batch_size // self.owner[1]
+    streams = self.__dict__.get("_streams") or 1
+    per_stream = batch_size // streams
     counts = self.examples_before(step, per_stream)
     total = max(int(counts.sum()), 1)
     logging.info("data.mixture at step %d: %s", step, ", ".join(
@@ -237,11 +261,13 @@ class MixtureSource(DataSource):
     local_batch_size(batch_size, process_count)
     check_process(process_index, process_count)
     pipeline.check_state(state, start_step)
+    streams = self.resumed_streams(state, process_count)
+    self.use_streams(streams, batch_size, process_index, process_count)
     self.log_counts(start_step, batch_size)
     return _LoggedCounts(self, pipeline.StepIterator(
         CallAt(self, "train_batch", batch_size, process_index, process_count),
-        start_step=start_step, num_workers=pipeline.resolve_num_workers(num_workers)),
-                         batch_size)
+        start_step=start_step, num_workers=pipeline.resolve_num_workers(num_workers),
+        state=stream_state(streams)), batch_size)
 
   def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
                    num_workers: int = 0) -> Iterator[Batch]:

@@ -21,6 +21,11 @@ other sources (resume, per-process slices and determinism hold), and a
 batch touches about ``SHUFFLE_WINDOW`` row groups. Write files with row groups
 of a few hundred to a few thousand images (HF's default) for a good shuffle.
 
+A file that cannot be opened (cut short, it has no footer; damaged) is an
+error that names it; a row group that cannot be read later is logged with
+its file and replaced by the next readable row, as undecodable images are
+(encoded.py).
+
 pyarrow comes with TensorFlow Datasets (the ``tfds`` extra) and is pinned in
 constraints.txt; without it the source says to ``pip install pyarrow``. It is
 imported only when a Parquet source is built.
@@ -130,17 +135,34 @@ class ParquetSource(encoded.EncodedSource):
     return data
 
 
+def _unreadable(path: str, e: Exception) -> ValueError:
+  """pyarrow's errors name no file ("Parquet magic bytes not found in
+  footer"): this one does. An error, not a warning and a skip: a file
+  without its footer has no readable row at all, so reading on would lose
+  the whole file; a copy that stopped is fixed by copying again."""
+  return ValueError(f"the Parquet file {path} cannot be read ({' '.join(str(e).split())}): "
+                    f"cut short or damaged? copy it again, or leave it out of data.path")
+
+
 def _file_rows(path: str, image_column: str, label_column: str, explicit_label: bool):
   """(row groups' sizes, labels or None) of one file, from its footer and label column."""
-  handle = _open(path)
-  names = handle.schema_arrow.names
+  _pq()
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  try:
+    handle = _open(path)
+    names = handle.schema_arrow.names
+    sizes = [handle.metadata.row_group(g).num_rows for g in range(handle.num_row_groups)]
+  except pa.ArrowException as e:
+    raise _unreadable(path, e) from None
   if image_column not in names:
     raise ValueError(f"{path} has no column {image_column!r} (columns: {', '.join(names)}); "
                      f"set data.image_column to the column of encoded images")
-  sizes = [handle.metadata.row_group(g).num_rows for g in range(handle.num_row_groups)]
   labels = None
   if label_column in names:
-    labels = handle.read(columns=[label_column]).column(0).to_numpy(zero_copy_only=False)
+    try:
+      labels = handle.read(columns=[label_column]).column(0).to_numpy(zero_copy_only=False)
+    except pa.ArrowException as e:
+      raise _unreadable(path, e) from None
   elif explicit_label:
     raise ValueError(f"{path} has no label column {label_column!r} (columns: "
                      f"{', '.join(names)}); set data.label_column, or leave it at 'label' "
@@ -148,9 +170,10 @@ def _file_rows(path: str, image_column: str, label_column: str, explicit_label: 
   return sizes, labels
 
 
-def build(config: Any, *, split: str, seed: int) -> ParquetSource:
+def build(config: Any, *, split: str, seed: int, stream=None) -> ParquetSource:
+  # stream (g, S): the source of stream g's files (encoded.make, indexed.py).
   pattern, files, hashed = encoded.split_files(config, split, "parquet")
-  owner = encoded.file_owner(config, split, len(files), pattern)
+  owner = encoded.file_owner(config, split, len(files), pattern, stream)
   image_column = cfg_get(config, "image_column", "image")
   label_column = cfg_get(config, "label_column", "label")
   file_ids, groups, rows, labels, keys = [], [], [], [], []
@@ -170,7 +193,7 @@ def build(config: Any, *, split: str, seed: int) -> ParquetSource:
   file_ids, groups, rows, labels = map(np.concatenate, (file_ids, groups, rows, labels))
   chosen = encoded.select(config, split, kind="parquet", pattern=pattern, hashed=hashed,
                           owner=owner, num_files=len(files), file_ids=file_ids, keys=keys,
-                          labels=labels, what="row")
+                          labels=labels, what="row", gather=stream is None)
   picked = chosen.rows
   return encoded.make(ParquetSource, config, seed, chosen, keys, files, file_ids[picked],
-                      groups[picked], rows[picked], image_column)
+                      groups[picked], rows[picked], image_column, build=build, split=split)

@@ -251,6 +251,8 @@ class _Counted:
 
   _iter: Iterator[dict]
   _next_step: int
+  # What the stream is besides its position (``streams``), saved beside it.
+  _extra: dict = {}
 
   def __iter__(self):
     return self
@@ -261,7 +263,7 @@ class _Counted:
     return batch
 
   def get_state(self) -> dict:
-    return {"next_step": self._next_step}
+    return {"next_step": self._next_step, **self._extra}
 
 
 class StepIterator(_Counted):
@@ -270,12 +272,14 @@ class StepIterator(_Counted):
 
   ``batch_at`` must be picklable when ``num_workers > 0`` (it is sent to the
   worker processes). ``get_state()`` / ``set_state()`` give and take
-  ``{"next_step": k}``.
+  ``{"next_step": k}``, with ``state``'s entries beside it (``streams``:
+  what the batches are made of, fixed for the iterator).
   """
 
   def __init__(self, batch_at: Callable[[int], dict], *, start_step: int = 0,
-               num_workers: int = 0, stop: int = END):
+               num_workers: int = 0, stop: int = END, state: dict | None = None):
     self._batch_at = batch_at
+    self._extra = dict(state or {})
     self._num_workers = int(num_workers)
     self._stop = int(stop)
     self._open(int(start_step))
@@ -305,6 +309,10 @@ class StepIterator(_Counted):
 
   def set_state(self, state: dict) -> None:
     step = int(state["next_step"])
+    for key, value in self._extra.items():
+      if key in state and state[key] != value:
+        raise ValueError(f"the data state's {key} is {state[key]!r} but this iterator "
+                         f"reads {value!r}: build a new iterator from that state")
     if step != self._next_step:
       self.close()
       self._open(step)
@@ -354,6 +362,10 @@ def check_state(state: dict | None, start_step: int) -> None:
     return
   if "next_step" not in state:
     raise ValueError(f"unknown data iterator state {state!r} (expected next_step)")
+  streams = state.get("streams", 1)
+  if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+    raise ValueError(f"the data state's streams must be a positive integer, got "
+                     f"{streams!r}: the checkpoint is inconsistent")
   if int(state["next_step"]) != int(start_step):
     raise ValueError(
         f"the checkpoint's data state is at step {state['next_step']} but its "

@@ -21,8 +21,11 @@ tarfile (headers only: member data is skipped over) and cached
 An example is then one seek and one read of its bytes, in the pipeline's
 worker processes; everything else (epoch permutations of all samples of all
 shards, per-process slices, counter-based crops, resume from the step,
-labels) is `indexed.IndexedSource`'s, as for image folders. A truncated
-shard keeps the samples it holds whole (one warning); a member that cannot
+labels) is `indexed.IndexedSource`'s, as for image folders. A shard cut
+short (a member ends past the file's end, or the end-of-archive marker every
+tar writer puts there is missing) is named in a warning and its complete
+samples are read; a sample the cut went through, or one that lost its label
+to it, is skipped and counted (`_collect` says why); a member that cannot
 be decoded is logged and replaced by the next readable one (encoded.py).
 """
 
@@ -40,7 +43,10 @@ from darl_jax.data.base import cfg_get, warn_once
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 LABEL_EXTENSIONS = ("cls", "json", "txt")
-INDEX_KIND = "webdataset-tar"
+# The version after the name: indexes cached by an older reader lack the
+# cut-short fields and are rebuilt.
+INDEX_KIND = "webdataset-tar-2"
+END_MARKER_BYTES = 2 * tarfile.BLOCKSIZE
 # Open shard files kept per process (an LRU): random access touches many.
 MAX_OPEN_SHARDS = 16
 
@@ -61,13 +67,27 @@ def _parse_label(ext: str, raw: bytes, label_key: str) -> Optional[int]:
     return None      # a caption in .txt, not a class
 
 
+def _end_marker(f, offset: int) -> bool:
+  """Whether the end-of-archive marker (two zero blocks, POSIX) is at
+  ``offset``: every tar writer (Python's tarfile, GNU tar, the converter)
+  ends an archive with it, so a file without it was cut short. Python's
+  tarfile stops quietly at a cut between members."""
+  f.seek(offset)
+  return f.read(END_MARKER_BYTES) == bytes(END_MARKER_BYTES)
+
+
 def index_shard(shard: str, label_key: str = "label") -> dict:
   """The samples of one tar shard: keys, image offsets and sizes (bytes),
-  image extensions, labels (None where a sample has none)."""
+  image extensions, labels (None where a sample has none), and how the
+  shard is cut short, if it is: ``truncated`` (why, or None), ``skipped``
+  (the keys of the samples the cut went through, left out: a member of
+  theirs is incomplete) and ``suspect`` (the key of the last sample when the
+  cut fell between members: it may have lost members after the last one
+  read, e.g. its label; `_collect` judges it)."""
   from etils import epath  # pylint: disable=g-import-not-at-top
   images: dict[str, tuple[int, int, str]] = {}
   labels: dict[str, tuple[int, str]] = {}   # key -> (label, ext)
-  ignored, truncated = 0, None
+  ignored, truncated, cut_key, last_key, end = 0, None, None, None, None
   label_rank = {e: r for r, e in enumerate(LABEL_EXTENSIONS)}   # .cls wins over .json over .txt
   with epath.Path(shard).open("rb") as f:
     size = f.seek(0, 2)
@@ -81,8 +101,11 @@ def index_shard(shard: str, label_key: str = "label") -> dict:
           stem, _, ext = name.partition(".")
           key, ext = posixpath.join(folder, stem), ext.lower()
           if member.offset_data + member.size > size:
-            truncated = f"member {member.name} ends at byte {member.offset_data + member.size} of {size}"
+            truncated = (f"its member {member.name} ends at byte "
+                         f"{member.offset_data + member.size} of {size}")
+            cut_key = key
             break
+          last_key = key
           if ext in IMAGE_EXTENSIONS and not name.startswith("."):
             images.setdefault(key, (member.offset_data, member.size, ext))
           elif ext in LABEL_EXTENSIONS:
@@ -92,14 +115,27 @@ def index_shard(shard: str, label_key: str = "label") -> dict:
               labels[key] = (value, ext)
           else:
             ignored += 1
+        end = tar.offset       # where the next header, or the end marker, is
     except (tarfile.ReadError, EOFError) as e:
       truncated = f"{type(e).__name__}: {e}"
+    if truncated is None and end is not None and not _end_marker(f, end):
+      truncated = (f"it has no end-of-archive marker after its last member (byte {end} "
+                   f"of {size}): it was cut between members")
+  skipped = []
+  if cut_key is not None and cut_key in images:
+    # The cut went through this sample: a member of it is incomplete (its
+    # label, if the image came first). Read, it would be an image without
+    # its label, or with a part missing.
+    skipped.append(cut_key)
+    del images[cut_key]
+  suspect = last_key if truncated and cut_key is None and last_key in images else None
   keys = sorted(images)
   return {"keys": keys,
           "offsets": [images[k][0] for k in keys],
           "sizes": [images[k][1] for k in keys],
           "labels": [labels[k][0] if k in labels else None for k in keys],
-          "ignored": ignored, "truncated": truncated}
+          "ignored": ignored, "truncated": truncated, "skipped": skipped,
+          "suspect": suspect}
 
 
 class TarShardSource(encoded.EncodedSource):
@@ -136,17 +172,35 @@ class TarShardSource(encoded.EncodedSource):
 
 
 def _collect(files: list[str], wanted: list[int], config: Any) -> dict:
-  """The concatenated index of ``files[wanted]`` (built or read from the cache)."""
+  """The concatenated index of ``files[wanted]`` (built or read from the cache).
+
+  A shard cut short (a copy or download that stopped; it lacks the end
+  marker or a member's end) is a warning that names it, and its complete
+  samples are read; not an error, because those samples are whole (each
+  member's size is in its header) and a long run should not stop for the
+  tail of one shard of thousands. Not silent either: each cut shard is
+  named with what it lost, and one line counts them all. A sample the cut
+  went through is skipped and counted, and so is the last sample of a shard
+  cut between members when it has no label and other samples here have:
+  it lost its label, and one image without a label would make the whole
+  split unlabeled (encoded.select), which fine-tuning then refuses."""
   label_key = cfg_get(config, "label_key", "label")
   cache_dir = cfg_get(config, "index_cache_dir", None)
   out = {"shard": [], "offsets": [], "sizes": [], "labels": [], "keys": []}
+  suspects, cut, skipped = [], [], []
   for s in wanted:
     shard = files[s]
     index = shards.cached_index(shard, lambda p: index_shard(p, label_key),
                                 f"{INDEX_KIND}:{label_key}", cache_dir)
+    base = posixpath.basename(shard)
     if index["truncated"]:
-      warn_once(("truncated", shard), "tar shard %s is truncated (%s): using its %d "
-                "complete sample(s)", shard, index["truncated"], len(index["keys"]))
+      cut.append(shard)
+      skipped += [f"{base}/{k}" for k in index["skipped"]]
+      warn_once(("truncated", shard), "tar shard %s is cut short (%s): reading its %d "
+                "complete sample(s)%s; copy it again to read the rest", shard,
+                index["truncated"], len(index["keys"]),
+                f", skipping {index['skipped'][0]}, which the cut went through"
+                if index["skipped"] else "")
     if index["ignored"]:
       warn_once(("ignored", shard), "tar shard %s: ignoring %d member(s) that are neither "
                 "images (%s) nor labels (%s)", shard, index["ignored"],
@@ -154,18 +208,33 @@ def _collect(files: list[str], wanted: list[int], config: Any) -> dict:
     if not index["keys"]:
       warn_once(("empty", shard), "tar shard %s holds no images (%s)", shard,
                 "/".join(IMAGE_EXTENSIONS))
-    base = posixpath.basename(shard)
+    if index["suspect"] is not None:
+      suspects.append(len(out["keys"]) + index["keys"].index(index["suspect"]))
     out["shard"] += [s] * len(index["keys"])
     out["offsets"] += index["offsets"]
     out["sizes"] += index["sizes"]
     out["labels"] += [-1 if v is None else v for v in index["labels"]]
     out["keys"] += [f"{base}/{k}" for k in index["keys"]]
+  labeled = sum(v >= 0 for v in out["labels"])
+  lost = [i for i in suspects if out["labels"][i] < 0]
+  if lost and labeled:
+    skipped += [out["keys"][i] for i in lost]
+    drop = set(lost)
+    for name, values in out.items():
+      out[name] = [v for i, v in enumerate(values) if i not in drop]
+  if cut:
+    warn_once(("cut shards", tuple(cut)), "%d of the %d tar shard(s) read here are cut short "
+              "(%s%s); %d incomplete sample(s) skipped%s", len(cut), len(wanted),
+              ", ".join(cut[:3]), ", ..." if len(cut) > 3 else "", len(skipped),
+              f" ({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})"
+              if skipped else "")
   return out
 
 
-def build(config: Any, *, split: str, seed: int) -> TarShardSource:
+def build(config: Any, *, split: str, seed: int, stream=None) -> TarShardSource:
+  # stream (g, S): the source of stream g's files (encoded.make, indexed.py).
   pattern, files, hashed = encoded.split_files(config, split, "webdataset")
-  owner = encoded.file_owner(config, split, len(files), pattern)
+  owner = encoded.file_owner(config, split, len(files), pattern, stream)
   index = _collect(files, encoded.files_to_index(len(files), owner, hashed), config)
   if not index["keys"] and owner is None:   # owned: select() says it on every process
     raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in the {len(files)} tar "
@@ -174,8 +243,10 @@ def build(config: Any, *, split: str, seed: int) -> TarShardSource:
   shard_ids = np.asarray(index["shard"], np.int32)
   chosen = encoded.select(config, split, kind="webdataset", pattern=pattern, hashed=hashed,
                           owner=owner, num_files=len(files), file_ids=shard_ids,
-                          keys=index["keys"], labels=index["labels"], what="sample")
+                          keys=index["keys"], labels=index["labels"], what="sample",
+                          gather=stream is None)
   rows = chosen.rows
   return encoded.make(TarShardSource, config, seed, chosen, index["keys"], files,
                       shard_ids[rows], np.asarray(index["offsets"], np.int64)[rows],
-                      np.asarray(index["sizes"], np.int64)[rows])
+                      np.asarray(index["sizes"], np.int64)[rows], build=build,
+                      split=split)

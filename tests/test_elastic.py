@@ -1,0 +1,356 @@
+"""Resume on another topology (issue 56): a run checkpointed on N devices or P
+processes continues on M devices or P' processes from the CLI with the state
+as saved, the same global batches (the data streams of base.stream_rows),
+and no example of the epoch repeated or skipped.
+
+First the streams themselves, in this process (simulated processes): the
+global batch of a run that started on S processes is the same read by any
+number of processes. Then the CLI: a child runs ``darl_jax.main`` with two
+recorders around it (``RECORDER``): the ids of the examples of every
+training batch (each generated image's pixels are its id) and the state at
+the save of the stop step and right after a restore.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from darl_jax import config_lib
+from darl_jax.data import base, build_source, convert, encoded
+from xla_env import cpu_devices_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "tests" / "tiny_config.py")
+NUM_TRAIN = 48         # one epoch: 6 steps of 8
+BATCH = 8
+SHARD = 12             # 4 shards: files 0, 2 and 1, 3 are the two streams of 2 processes
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  """{source: data overrides}: an image folder, tar shards and Parquet files of
+  the same 48 training images (and 4 validation ones), image i a constant
+  colour whose red channel is i."""
+  root = tmp_path_factory.mktemp("elastic")
+  for split, ids in (("train", range(NUM_TRAIN)), ("val", range(200, 204))):
+    os.makedirs(root / "folder" / split)
+    for i in ids:
+      pixels = np.zeros((8, 8, 3), np.uint8) + np.asarray([i, 255 - i, 7], np.uint8)
+      Image.fromarray(pixels).save(root / "folder" / split / f"{i:03d}.png")
+  for fmt in ("tar", "parquet"):
+    convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=SHARD)
+  ext = {"tar": "tar", "parquet": "parquet"}
+  out = {"folder": {"name": "image_folder", "path": str(root / "folder")}}
+  for fmt, name in (("tar", "webdataset"), ("parquet", "parquet")):
+    out[fmt] = {"name": name, "path": f"{root}/{fmt}/train-*.{ext[fmt]}",
+                "eval_path": f"{root}/{fmt}/validation-*.{ext[fmt]}",
+                "index_cache_dir": str(root / "index")}
+  return out
+
+
+def ids_of(batch) -> list[int]:
+  return [int(i) for i in batch["image"][:, 0, 0, 0]]
+
+
+# ------------------------------------------------------ streams in-process
+
+
+def as_process(monkeypatch, p, count):
+  """Sources built as process p of ``count`` (the gathered counts are this
+  process's, repeated: the test's streams are of equal size)."""
+  monkeypatch.setattr(encoded, "this_process", lambda: (p, count))
+  monkeypatch.setattr(encoded, "gather_ints",
+                      lambda values, n: np.tile(np.asarray([values], np.int64), (n, 1)))
+
+
+def test_stream_rows_tile_the_global_batch():
+  for streams in (1, 2, 4, 8):
+    for processes in (1, 2, 4, 8):
+      rows = []
+      for p in range(processes):
+        parts = base.stream_rows(3, 8, p, processes, streams)
+        assert sum(r.stop - r.start for _, r, _ in parts) == 8 // processes
+        rows += [(g, int(pos)) for g, _, positions in parts for pos in positions]
+      # Every stream's 8 / S positions of step 3, in stream order, once.
+      per = 8 // streams
+      assert rows == [(g, 3 * per + k) for g in range(streams) for k in range(per)]
+  with pytest.raises(ValueError, match="not divisible by the 3 data streams"):
+    base.stream_rows(0, 8, 0, 1, 3)
+
+
+@pytest.mark.parametrize("fmt", ["tar", "parquet", "mixture"])
+def test_the_global_batch_of_two_streams_on_any_process_count(data, fmt, monkeypatch):
+  """A run started on 2 processes (2 streams) read by 1, 2 and 4 processes:
+  the same global batches; each stream's epoch has every example once."""
+  config = dict(data["tar" if fmt == "mixture" else fmt], image_size=8, channels=3,
+                augment="spatial")
+  if fmt == "mixture":
+    config.update(name="mixture", mixture=f"{data['tar']['path']}=0.5,digits=0.5", channels=1)
+
+  def global_batches(processes, steps=range(6)):
+    out = []
+    for step in steps:
+      parts = []
+      for p in range(processes):
+        as_process(monkeypatch, p, processes)
+        source = build_source(config, split="train", seed=4)
+        state = {"next_step": step, "streams": 2}
+        it = source.train_iterator(BATCH, start_step=step, process_index=p,
+                                   process_count=processes, state=state)
+        assert it.get_state() == state
+        parts.append(next(it))
+        it.close()
+      out.append({k: np.concatenate([b[k] for b in parts]) for k in parts[0]})
+    return out
+
+  two = global_batches(2)
+  for processes in (1, 4):
+    for a, b in zip(two[2:5], global_batches(processes, range(2, 5))):
+      np.testing.assert_array_equal(a["image"], b["image"])
+  if fmt != "mixture":   # each stream's 24 examples once in its epoch (6 steps of 4 rows)
+    for g in range(2):
+      seen = [i for batch in two for i in ids_of(batch)[4 * g:4 * g + 4]]
+      assert len(set(seen)) == 24
+  # A run that starts on 4 processes makes 4 streams of its own files.
+  as_process(monkeypatch, 0, 4)
+  source = build_source(config, split="train", seed=4)
+  assert source.train_iterator(BATCH, process_count=4).get_state()["streams"] == 4
+
+
+def test_one_stream_stays_one_and_a_stream_count_needs_owned_files(data, monkeypatch):
+  config = dict(data["tar"], image_size=8, channels=3)
+  single = build_source(config, split="train", seed=0)
+  it = single.train_iterator(BATCH)
+  assert it.get_state() == {"next_step": 0}    # one stream: nothing beside the step
+  whole = next(it)
+  # Resumed on 2 processes: both read their rows of the one global stream.
+  as_process(monkeypatch, 1, 2)
+  source = build_source(config, split="train", seed=0)
+  resumed = source.train_iterator(BATCH, process_index=1, process_count=2,
+                                  state={"next_step": 0})
+  np.testing.assert_array_equal(next(resumed)["image"], whole["image"][4:])
+  shared = build_source(dict(config, process_files="all"), split="train", seed=0)
+  with pytest.raises(ValueError, match="made of 2 streams.*process_files=own"):
+    shared.train_iterator(BATCH, process_index=1, process_count=2,
+                          state={"next_step": 0, "streams": 2})
+  folder = build_source(dict(data["folder"], image_size=8, channels=3), split="train", seed=0)
+  with pytest.raises(ValueError, match="made of 4 streams"):
+    folder.train_iterator(BATCH, state={"next_step": 0, "streams": 4})
+  with pytest.raises(ValueError, match="streams must be a positive integer"):
+    folder.train_iterator(BATCH, state={"next_step": 0, "streams": 0})
+
+
+def test_the_topology_line():
+  before = config_lib.topology({"data": 4, "fsdp": 2, "tensor": 1}, 2, 0)
+  now = config_lib.topology({"data": 1, "fsdp": 2, "tensor": 1}, 1, 2)
+  assert before["devices"] == 8 and now["devices"] == 2
+  line = config_lib.topology_change({"topology": before}, now, 8, 2)
+  assert line.startswith("resuming on another topology: 8 devices (data 4 x fsdp 2 x "
+                         "tensor 1) in 2 process(es), 0 data worker(s) each -> 2 devices")
+  assert "global batch (8)" in line and "2 stream(s)" in line and "\n" not in line
+  assert config_lib.topology_change({"topology": now}, now, 8, 1) is None
+  assert config_lib.topology_change({}, now, 8, 1) is None     # an older checkpoint
+
+
+# ------------------------------------------------------------------ the CLI
+
+RECORDER = textwrap.dedent("""\
+    import json, os, sys
+
+    import numpy as np
+
+    OUT = os.environ["ELASTIC_OUT"]
+
+
+    def record():
+      import jax
+      from jax.experimental import multihost_utils
+      from darl_jax import checkpoint
+      from darl_jax.data import pipeline
+
+      def host(tree):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        gathered = {jax.tree_util.keystr(k): np.asarray(
+            multihost_utils.process_allgather(v, tiled=True)) for k, v in leaves}
+        if jax.process_index() == 0:
+          return gathered
+
+      def dump(name, state):
+        values = host(state)
+        if values is not None:
+          np.savez(os.path.join(OUT, name), **values)
+
+      take = pipeline.StepIterator.__next__
+
+      def next_recorded(self):      # the training iterator's batches and their ids
+        step = self._next_step
+        batch = take(self)
+        if self._stop == pipeline.END:
+          with open(os.path.join(OUT, f"ids_{jax.process_index()}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step,
+                                "ids": batch["image"][:, 0, 0, 0].tolist()}) + "\\n")
+        return batch
+
+      pipeline.StepIterator.__next__ = next_recorded
+      save, restore = checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore_newest
+
+      def save_recorded(self, step, state, meta, **kw):
+        if step == int(os.environ["ELASTIC_STOP"]):
+          dump("saved.npz", state)
+        return save(self, step, state, meta, **kw)
+
+      def restore_recorded(self, *args, **kw):
+        out = restore(self, *args, **kw)
+        if out is not None:
+          dump("restored.npz", out[1])
+        return out
+
+      checkpoint.Checkpointer.save = save_recorded
+      checkpoint.Checkpointer.restore_newest = restore_recorded
+
+
+    if __name__ == "__main__":      # Grain's spawned workers import this file
+      record()
+      from darl_jax import main
+      sys.argv = ["darl_jax.main", *sys.argv[1:]]
+      main.cli()
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _overrides(data: dict, *, devices: int, steps: int, stop: int = 0, workers: int = 0):
+  flags = [f"--config.total_steps={steps}", f"--config.batch_size={BATCH}",
+           "--config.checkpoint_every_steps=2", "--config.eval_every_steps=0",
+           "--config.predictions.num_images=0", "--config.data.augment=none",
+           "--config.data.image_size=8", "--config.data.channels=3",
+           "--config.model.channels=3", f"--config.data.num_workers={workers}",
+           f"--config.stop_after_steps={stop}", "--config.sharding=fsdp",
+           "--config.mesh.data=-1", f"--config.mesh.fsdp={min(devices, 2)}"]
+  return flags + [f"--config.data.{k}={v}" for k, v in data.items()]
+
+
+def run_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices: int,
+            steps: int = 6, stop: int = 0, workers: int = 0, timeout: float = 300):
+  """Runs (and waits for) the training command in ``processes`` processes of
+  ``devices`` devices each; returns the folder of what the recorder wrote."""
+  out = workdir.parent / f"{workdir.name}-{processes}x{devices}-{stop}"
+  out.mkdir()
+  script = workdir.parent / "recorded_main.py"
+  script.write_text(RECORDER)
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("DARL_", "SLURM_"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", ELASTIC_OUT=str(out),
+             ELASTIC_STOP=str(stop), XLA_FLAGS=cpu_devices_flags(devices),
+             PYTHONPATH=str(ROOT))
+  procs = []
+  for p in range(processes):
+    if processes > 1:
+      env.update(DARL_COORDINATOR=f"127.0.0.1:{port}", DARL_NUM_PROCESSES=str(processes),
+                 DARL_PROCESS_ID=str(p))
+    log = open(out / f"log_{p}.txt", "w")
+    procs.append(subprocess.Popen(
+        [sys.executable, str(script), f"--config={TINY}", f"--workdir={workdir}",
+         *_overrides(data, devices=devices * processes, steps=steps, stop=stop,
+                     workers=workers)],
+        cwd=ROOT, env=dict(env), stdout=log, stderr=subprocess.STDOUT))
+    log.close()
+  deadline = time.time() + timeout
+  while any(p.poll() is None for p in procs) and time.time() < deadline:
+    if any(p.poll() not in (None, 0) for p in procs):
+      break
+    time.sleep(0.2)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  if any(p.returncode for p in procs):
+    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-4000:]}" for f in sorted(out.glob("log_*")))
+    pytest.fail(f"the run in {workdir} failed\n{logs}")
+  return out
+
+
+def seen_ids(out: pathlib.Path, first: int, last: int) -> dict[int, list[int]]:
+  """step -> the ids of its global batch (processes' rows in order), for
+  iterator steps ``[first, last)`` (the feed reads ahead of the stop)."""
+  by_step: dict[int, dict[int, list[int]]] = {}
+  for f in sorted(out.glob("ids_*.jsonl")):
+    p = int(f.stem.split("_")[1])
+    for line in f.read_text().splitlines():
+      record = json.loads(line)
+      if first <= record["step"] < last:
+        by_step.setdefault(record["step"], {})[p] = record["ids"]
+  return {s: [i for p in sorted(rows) for i in rows[p]] for s, rows in sorted(by_step.items())}
+
+
+def losses(workdir: pathlib.Path) -> dict[int, float]:
+  out = {}
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    if "loss" in record and "grad_norm" in record:
+      out[record["step"]] = record["loss"]
+  return out
+
+
+def check_resumed(straight, stopped, resumed, resumed_dir, straight_dir, *, stop: int,
+                  rtol: float):
+  """The restored state is the saved one; the epoch's ids have no repeat
+  and no gap; the global batches and the losses are the straight run's."""
+  saved, restored = np.load(stopped / "saved.npz"), np.load(resumed / "restored.npz")
+  assert sorted(saved.files) == sorted(restored.files)
+  for key in saved.files:
+    np.testing.assert_array_equal(saved[key], restored[key], err_msg=key)
+  epoch = {**seen_ids(stopped, 0, stop), **seen_ids(resumed, stop, 6)}
+  assert sorted(epoch) == list(range(6))
+  ids = [i for s in range(6) for i in epoch[s]]
+  assert sorted(ids) == list(range(NUM_TRAIN)), ids
+  assert epoch == seen_ids(straight, 0, 6)
+  assert "resuming on another topology" in (resumed / "log_0.txt").read_text()
+  want, got = losses(straight_dir), losses(resumed_dir)
+  assert sorted(got) == list(range(1, 7))
+  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+                             rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.parametrize("source", ["folder", "tar", "parquet"])
+def test_eight_devices_stopped_and_resumed_on_four_and_two(data, source, tmp_path):
+  """8 devices (data 4 x fsdp 2), stopped after step 2, resumed on 4 (data 2
+  x fsdp 2, with a data worker) and on 2 (fsdp 2). The losses agree to
+  float32 rounding: the devices sum the gradient's parts in another order."""
+  straight = run_cli(tmp_path / "straight", data[source], devices=8)
+  stopped = run_cli(tmp_path / "run", data[source], devices=8, stop=2)
+  for devices, workers in ((4, 1), (2, 0)):
+    workdir = tmp_path / f"on{devices}"
+    shutil.copytree(tmp_path / "run", workdir)
+    resumed = run_cli(workdir, data[source], devices=devices, workers=workers)
+    check_resumed(straight, stopped, resumed, workdir, tmp_path / "straight", stop=2,
+                  rtol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["tar", "parquet", "folder"])
+def test_two_processes_resumed_with_one_and_with_four(data, source, tmp_path):
+  """2 processes of one device (FSDP across them), each reading its own
+  shards (2 streams), stopped after step 2; resumed by 1 process of 2
+  devices and by 4 processes of one device: the same global batches."""
+  straight = run_cli(tmp_path / "straight", data[source], processes=2, devices=1)
+  stopped = run_cli(tmp_path / "run", data[source], processes=2, devices=1, stop=2)
+  for processes, devices in ((1, 2), (4, 1)):
+    workdir = tmp_path / f"with{processes}"
+    shutil.copytree(tmp_path / "run", workdir)
+    resumed = run_cli(workdir, data[source], processes=processes, devices=devices)
+    check_resumed(straight, stopped, resumed, workdir, tmp_path / "straight", stop=2,
+                  rtol=1e-5)
