@@ -292,6 +292,35 @@ def check_resume_compatible(meta: dict, config) -> None:
                      + short_diff(diffs) + "); use a new --workdir or restore the config")
 
 
+def topology(mesh_shape: dict, processes: int, workers: int) -> dict:
+  """Where a run trains, saved with every checkpoint: the mesh's axis sizes,
+  the processes and each one's data workers. None of it is part of what a
+  checkpoint means: a run resumes on any other (``topology_change``)."""
+  axes = {str(k): int(v) for k, v in mesh_shape.items()}
+  return {"devices": int(math.prod(axes.values())), "mesh": axes,
+          "processes": int(processes), "workers": int(workers)}
+
+
+def _topology_text(t: dict) -> str:
+  mesh = " x ".join(f"{k} {v}" for k, v in t.get("mesh", {}).items())
+  return (f"{t.get('devices')} devices ({mesh}) in {t.get('processes')} process(es), "
+          f"{t.get('workers')} data worker(s) each")
+
+
+def topology_change(meta: dict, now: dict, batch_size: int, streams: int) -> str | None:
+  """The one line a resumed run logs when it trains on another topology than
+  its checkpoint's (None when the same, or the checkpoint predates the record):
+  the state was restored onto this run's mesh, and the data goes on with the
+  same global batches (base.stream_rows: ``streams`` streams)."""
+  before = meta.get("topology")
+  if not isinstance(before, dict) or before == now:
+    return None
+  return (f"resuming on another topology: {_topology_text(before)} -> "
+          f"{_topology_text(now)}; parameters and optimizer state restored onto this mesh, "
+          f"the global batch ({batch_size}) and the schedule unchanged, the data continues "
+          f"in its {streams} stream(s)")
+
+
 # Keys whose change says nothing about the state's shape: left out when a
 # state mismatch lists the config keys that changed since the checkpoint.
 RUN_LENGTH_KEYS = ("total_steps", "total_epochs", "stop_after_steps", "log_every_steps",

@@ -48,6 +48,9 @@ def get_job(name: str):
   if name == "fewshot":
     from darl_jax.train import fewshot
     return fewshot.run
+  if name == "knn":
+    from darl_jax.train import knn
+    return knn.run
   trainer_class = get_trainer(name)
   from darl_jax.train import loop
   return lambda config, workdir: loop.run(trainer_class(config), config, workdir)

@@ -12,6 +12,16 @@ weight decay 0), label
 smoothing 0.1, spatial augmentation, batch 16384, cosine with 10 warm-up
 epochs, 90 epochs. One forward pass trains one probe per block.
 
+By default a grid, as DINOv2 and AIM evaluate (train/probe_grid.py,
+docs/PROBES.md): 8 base learning rates (0.025 to 3.2, spaced by 2, the
+paper's 0.1 among them) x 2 poolings (mean, last token) on every block,
+each block's setting chosen on held-out training rows (min(2%, 10000)),
+all in the one frozen pass: at ViT-H/14, 512 heads, about 25-30 GB per
+device at 2048 images per device. The held-out rows need an
+index-addressable source: imagenet2012 prepared as ArrayRecord (``tfds build
+imagenet2012 --file_format=array_record``) or an image folder. The paper's
+single setting: --config.probe.learning_rates='(0.1,)' --config.probe.poolings='("mean",)'.
+
 Writes val_accuracy_block_XX per evaluation, and at the end
 probe_accuracy.json / probe_accuracy.png (accuracy vs normalised depth) and
 val_best_accuracy. Expect (paper figure): accuracy rising with depth and
@@ -20,6 +30,9 @@ peaking around the middle of the stack (deeper for ViT-B).
 
 from darl_jax import config_lib
 from darl_jax.train import linear_probe
+
+# The grid's base rates (x batch / 256: 1.6 to 204.8 at batch 16384).
+LEARNING_RATES = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 
 def get_config(arg=None):
@@ -31,6 +44,8 @@ def get_config(arg=None):
   c.log_every_steps = 50
   c.checkpoint_every_steps = 1000
   c.eval_every_steps = 1000
+  c.probe.learning_rates = LEARNING_RATES
+  c.probe.poolings = ("mean", "last")
   c.data.update(name="imagenet2012", tfds_name="imagenet2012", image_size=224, channels=3,
                 augment="spatial", train_split="train", eval_split="validation")
   c.model.update(variant=args.variant, image_size=224, reference_image_size=224, channels=3,

@@ -35,7 +35,7 @@ def test_every_study_expands_to_valid_configs(scale):
       config_lib.validate(config)              # what main.py checks before it runs
       assert config.trainer == {"pretrain": "pretrain", "finetune": "finetune",
                                 "probe": "linear_probe", "attentive_probe": "attentive_probe",
-                                "supervised": "supervised"}[stage.kind]
+                                "supervised": "supervised", "knn": "knn"}[stage.kind]
       vit_lib.vit_from_config(config.model)    # patch size divides the image, ...
       if stage.parent is not None:
         parent = S.load_config(stage.parent)

@@ -47,9 +47,9 @@ def attentive_probe(scale: S.Scale, parent: S.Stage | None, seed: int,
 # The probe grids (train/probe_grid.py) per scale: (linear, attentive)
 # overrides, chosen on held-out training rows. Learning rates are spaced by 2
 # (linear, LARS: around the scale's single rate, 6.4 or 32) and by ~3
-# (attentive, AdamW: around 1e-3), as DINOv2's and l3m's grids are. Scales
-# without one (imagenet: TFDS sources have no held-out part yet) run the
-# single-setting probes only.
+# (attentive, AdamW: around 1e-3), as DINOv2's and l3m's grids are. The
+# imagenet scale has none here: its probe config runs a grid by default
+# (experiments/linear_probe_in1k.py).
 PROBE_GRIDS = {
     "tiny": ({"probe.learning_rates": (3.2, 6.4), "probe.poolings": ("mean", "last")},
              {"probe.learning_rates": (1e-3, 3e-3)}),
@@ -76,6 +76,13 @@ def attentive_probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int,
   return S.stage("attentive_probe", scale.attentive_probe, scale.common,
                  scale.probe_overrides, PROBE_GRIDS[scale.name][1],
                  {"probe.blocks": blocks, "seed": seed}, parent=parent)
+
+
+def knn(scale: S.Scale, parent: S.Stage | None, seed: int) -> S.Stage:
+  """k-nearest-neighbour accuracy of every block's frozen features
+  (train/knn.py); ``parent=None`` reads a random backbone."""
+  return S.stage("knn", scale.knn, scale.common, scale.knn_overrides, {"seed": seed},
+                 parent=parent)
 
 
 def supervised(scale: S.Scale, seed: int, *arch: dict) -> S.Stage:
@@ -484,6 +491,14 @@ def downstream(scale: S.Scale, seeds: int) -> S.Study:
           runs.append(S.Run({"init": init, "protocol": f"attentive probe {_blocks(multi)} grid",
                              "family": "attentive grid", "seed": seed},
                             head + (attentive_probe_grid(scale, pre, seed, multi),)))
+    if scale.knn:
+      # Nothing trained: how well the frozen features separate the classes
+      # by cosine similarity alone, every block.
+      for init, objective in (("DARL diffusion", "diffusion"), ("DARL mse", "mse"),
+                              ("random", None)):
+        pre = pretrain(scale, objective, seed) if objective else None
+        runs.append(S.Run({"init": init, "protocol": "kNN", "family": "knn", "seed": seed},
+                          ((pre,) if pre else ()) + (knn(scale, pre, seed),)))
     runs.append(S.Run({"init": "scratch (supervised)", "protocol": "fine-tune budget",
                        "family": "tuned", "seed": seed}, (supervised(scale, seed, ft_budget),)))
     if both:
@@ -517,10 +532,14 @@ beyond the paper.""",
                       where={"family": "linear grid"}),
               R.Table("Attentive probe grid: the held-out choice", ("init",), "protocol",
                       (ACC,), where={"family": "attentive grid"}),
+              R.Table("kNN (cosine, k = 20, T = 0.07): best block", ("init",), None,
+                      ("last/best_block_accuracy",), where={"family": "knn"}),
               R.Table("Pretraining validation loss", ("init",), None, ("pretrain/val_loss",),
                       where={"family": "linear", "protocol": "linear probe"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
-                           ("init",), where={"family": "linear"})],
+                           ("init",), where={"family": "linear"}),
+             R.DepthCurves("kNN accuracy by block (k = 20)", "last/val_accuracy_block_",
+                           ("init",), where={"family": "knn"})],
       comparators=("pixels",),
       comparisons=(
           R.Comparison("fine-tuned: DARL diffusion against the ViT from scratch (fine-tune "
@@ -545,7 +564,14 @@ beyond the paper.""",
              R.Comparison("linear probe grid, best block: DARL diffusion against a random "
                           "backbone", {"init": "DARL diffusion"}, {"init": "random"},
                           "last/best_block_accuracy", where={"family": "linear grid"}))
-            if scale.name in PROBE_GRIDS else ())))
+            if scale.name in PROBE_GRIDS else ()),
+          *((R.Comparison("kNN, best block: DARL diffusion against DARL MSE",
+                          {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                          "last/best_block_accuracy", where={"family": "knn"}),
+             R.Comparison("kNN, best block: DARL diffusion against a random backbone",
+                          {"init": "DARL diffusion"}, {"init": "random"},
+                          "last/best_block_accuracy", where={"family": "knn"}))
+            if scale.knn else ())))
 
 
 PAPER_AUGMENTATION = {"data.augment": "spatial", "data.crop_scale": (0.2, 1.0),

@@ -90,13 +90,14 @@ class Runner:
   def run_stage(self, stage: S.Stage) -> dict:
     """Runs one stage in this process and records its result."""
     from darl_jax import main
-    from darl_jax.train import loop
     parent = str(self.workdir(stage.parent)) if stage.parent else ""
     config = S.load_config(stage, self.extra, init_from=parent)
     workdir = self.workdir(stage)
     logging.info("study stage %s: %s", stage.id, self.command(stage))
     start = time.time()
-    loop.run(main.get_trainer(config.trainer)(config), config, str(workdir))
+    # A trainer through the shared loop, or a job with a driver of its own
+    # (the kNN classifier: nothing to train).
+    main.get_job(config.trainer)(config, str(workdir))
     metrics = metrics_lib.final_metrics(str(workdir))
     result = {"id": stage.id, "kind": stage.kind, "config": stage.config,
               "overrides": stage.override_dict(), "parent": stage.parent.id if stage.parent

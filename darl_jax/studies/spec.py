@@ -34,7 +34,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  kind: str                      # "pretrain", "finetune", "supervised", "probe"
+  kind: str                      # "pretrain", "finetune", "supervised", "probe",
+                                 # "attentive_probe", "knn"
   config: str                    # experiment file[:arg], relative to the repository
   overrides: tuple = ()          # sorted ((key, value), ...)
   parent: "Stage | None" = None  # its workdir becomes config.init_from
@@ -213,6 +214,10 @@ class Scale:
   # augmentation) and the lengths, as multiples of the downstream length.
   recipe_crop_scales: tuple = (0.2, 0.5, 0.8)
   recipe_lengths: tuple = (1, 2)
+  # The kNN job's config (train/knn.py); "" where the scale has none. And
+  # its overrides on top of ``common``.
+  knn: str = ""
+  knn_overrides: dict = dataclasses.field(default_factory=dict)
 
   def variant(self, patch: int | None = None) -> str:
     return f"{self.model_family}/{patch or self.patch}"
@@ -231,6 +236,9 @@ SCALES = {
         supervised="experiments/supervised_fashion_mnist.py",
         probe="experiments/fashion_mnist_linear_probe.py",
         attentive_probe="experiments/fashion_mnist_attentive_probe.py",
+        knn="experiments/fashion_mnist_knn.py",
+        # Seconds, not the 3,400 batches of 16 of every training image.
+        knn_overrides={"knn.num_train_examples": 256},
         common={"batch_size": 16, "eval_max_batches": 1, "log_every_steps": 1,
                 "checkpoint_every_steps": 1000, "keep_checkpoints": 1,
                 "tensorboard": False,   # TensorFlow's import: most of a stage's start-up
@@ -259,6 +267,7 @@ SCALES = {
         supervised="experiments/supervised_fashion_mnist.py",
         probe="experiments/fashion_mnist_linear_probe.py",
         attentive_probe="experiments/fashion_mnist_attentive_probe.py",
+        knn="experiments/fashion_mnist_knn.py",
         common={"batch_size": 256, "eval_max_batches": 0, "log_every_steps": 50,
                 "checkpoint_every_steps": 100_000, "keep_checkpoints": 1, **_FMNIST_MODEL},
         pretrain={"total_steps": 600, "eval_every_steps": 100_000,
@@ -300,7 +309,11 @@ SCALES = {
         finetune="experiments/finetune_in1k.py:variant=B/16,epochs=50",
         supervised="experiments/supervised_in1k.py:variant=B/16",
         probe="experiments/linear_probe_in1k.py:variant=B/16",
+        # Not experiments/attentive_probe_in1k.py: the downstream study names
+        # the attentive probe's blocks from common's model.depth, which this
+        # scale leaves to the variant, so its rows would read the wrong blocks.
         attentive_probe="",
+        knn="experiments/knn_in1k.py:variant=B/16",
         common={"keep_checkpoints": 1},
         pretrain={"total_epochs": 100.0},
         downstream={},

@@ -770,6 +770,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     # pipeline structure, so process 0's state, the one Orbax writes, is
     # every process's).
     meta = {**config_lib.checkpoint_meta(config, step), "data_state": data_state,
+            "topology": topology,    # where it was written: a resume may use another
             # The unfinished log window (see log_carry).
             "log_window": metrics_lib.window_carry(jax.device_get(history), log_carry)}
     ckpt.save(step, state, meta)
@@ -781,6 +782,13 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       process_count=jax.process_count(), num_workers=config.data.get("num_workers", -1),
       state=resume_data_state)
   data_state = resume_data_state
+  topology = config_lib.topology(
+      mesh.shape, jax.process_count(),
+      data_pipeline.resolve_num_workers(config.data.get("num_workers", -1)))
+  moved = config_lib.topology_change(resume_meta, topology, config.batch_size,
+                                     host_batches.get_state().get("streams", 1))
+  if moved:
+    logging.info("%s", moved)
   feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
   cleanup.callback(feed.close)
   clock = feed_lib.StepClock(feed)

@@ -25,7 +25,7 @@ def trainers() -> dict:
 
 
 # Jobs with a driver of their own (nothing to train), dispatched by main.get_job.
-DRIVERS = ("sample", "fewshot")
+DRIVERS = ("sample", "fewshot", "knn")
 
 
 def get_trainer(name: str):
