@@ -221,3 +221,20 @@ def _with(**top):
   for k, v in top.items():
     c[k] = v
   return c
+
+
+def test_imagenet_probe_configs_run_a_grid_by_default_and_fashion_mnist_one_setting():
+  import runpy
+  load = lambda name, arg=None: runpy.run_path(str(ROOT / "experiments" / name))["get_config"](arg)
+  linear = load("linear_probe_in1k.py", "variant=H/14")
+  assert probe_grid.is_grid(linear) and tuple(linear.probe.poolings) == ("mean", "last")
+  assert len(probe_grid.settings(linear)) == 8 and linear.optim.base_lr in linear.probe.learning_rates
+  probe_grid.check_loop_options(linear)            # no option the grid refuses
+  attentive = load("attentive_probe_in1k.py", "variant=H/14,blocks=-8+-1")
+  assert probe_grid.is_grid(attentive) and len(probe_grid.settings(attentive)) == 6
+  assert tuple(attentive.probe.blocks) == (-8, -1) and attentive.trainer == "attentive_probe"
+  probe_grid.check_loop_options(attentive)
+  for config in (linear, attentive):
+    config_lib.validate(config)
+  for name in ("fashion_mnist_linear_probe.py", "fashion_mnist_attentive_probe.py"):
+    assert not probe_grid.is_grid(load(name))

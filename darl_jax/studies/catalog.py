@@ -507,7 +507,8 @@ def downstream(scale: S.Scale, seeds: int) -> S.Study:
                          "seed": seed},
                         (supervised(scale, seed, both),)))
   return S.Study(
-      "downstream", "DARL against its comparators: fine-tuning, linear and attentive probes",
+      "downstream", "DARL against its comparators: fine-tuning, linear and attentive probes, "
+      "kNN",
       paper="""
 The paper's claims that this study tests at small scale: DARL pretraining
 followed by fine-tuning beats the same ViT trained from scratch (ViT-L/16:
@@ -518,8 +519,9 @@ diffusion ahead of MSE. Comparators in every table: a random backbone under
 the same probe, the supervised ViT at the fine-tuning budget and at the
 pretraining + fine-tuning budget, and (docs/STUDIES.md) a linear classifier
 on the raw pixels. The attentive probe (AIM's: one learned query over the
-patch tokens of the last block, or of the last three blocks concatenated) is
-beyond the paper.""",
+patch tokens of the last block, or of the last three blocks concatenated) and
+the k-nearest-neighbour classifier (DINO's: cosine similarity, k = 20,
+temperature 0.07, every block, nothing trained) are beyond the paper.""",
       runs=runs,
       tables=[R.Table("Fine-tuned DARL against the ViT from scratch", ("init", "protocol"),
                       None, (ACC,), where={"family": "tuned"}),
