@@ -12,7 +12,14 @@ step's arguments, outputs, temporaries and total against the chip's HBM
 (fits / does not fit, by how much), darl_jax/memory.py's analytic estimate
 beside it, the evaluation step's total, the model FLOPs of a step and XLA's
 estimated step time (its cost model, not a measurement) with the MFU it
-implies. Exits 1 when the step does not fit, with the fix named.
+implies.
+
+Exit status: 0 the step fits; 1 it does not fit (the report names the fix);
+2 bad input, one ``error:`` line: an unknown flag or config key, a bad
+value, a --config file that does not exist or does not load, an unknown
+topology or a missing libtpu (darl_jax/cli.py, as every command); 3 the
+compile failed otherwise (a bug here or in XLA: the line names the file its
+traceback went to). A script can tell "does not fit" from a mistake.
 
 Topology names are JAX's: ``v4:2x2x2``, ``v5e:4x4`` (v5 lite), ``v5p:4x4x8``,
 ``v6e:8x8``; ``--num_slices`` > 1 compiles for several slices of it. The
@@ -38,15 +45,18 @@ import dataclasses  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+
+from darl_jax import cli as cli_lib  # noqa: E402
 
 
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as the command: the
   module is also imported (tests, benchmarks) beside darl_jax.main, which
-  defines --config too."""
-  config_flags.DEFINE_config_file(
-      "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
+  defines --config too (cli_lib.define_config_flag defines it once). Once
+  per process: a test runs the command more than once."""
+  if "topology" in flags.FLAGS:
+    return
+  cli_lib.define_config_flag()
   flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8, v5e:16x16.")
   flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice).")
   flags.DEFINE_string("save", "", "Write the compiled train step here (serialized).")
@@ -250,31 +260,40 @@ def _config_arg(argv) -> str:
   return " ".join(a for a in argv[1:] if a.startswith("--config"))
 
 
+# Exit statuses (the module docstring); bad input is cli_lib.USAGE (2).
+FITS, DOES_NOT_FIT, COMPILE_FAILED = 0, 1, 3
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   f = flags.FLAGS
+  config = cli_lib.loaded_config(required="--config is required, e.g. "
+                             "--config=experiments/vit_h14_diff.py")
   if not f.topology:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x8")
   logging.set_verbosity(logging.WARNING)
   from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
-  config = f.config
-  try:
-    config_lib.validate(config)
-    devices = topology_devices(f.topology, f.num_slices)
-    report = compile_for_topology(config, devices, f.topology, f.save)
-  except ValueError as e:
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    sys.exit(2)
+  config_lib.validate(config)
+  devices = topology_devices(f.topology, f.num_slices)
+  report = compile_for_topology(config, devices, f.topology, f.save)
   print("\n".join(report.lines()))
   if f.json:
     import json  # pylint: disable=g-import-not-at-top
     with open(f.json, "a") as out:
       out.write(json.dumps({"config": _config_arg(sys.argv), **report.as_dict()}) + "\n")
-  sys.exit(0 if report.fits else 1)
+  sys.exit(FITS if report.fits else DOES_NOT_FIT)
+
+
+def cli(argv=None):
+  """The command: its flags, then ``main`` under cli_lib.run. A ValueError or
+  OSError is bad input here (status 2: nothing is read but the config, and
+  the config's errors, an unknown variant or a mesh larger than the
+  topology, are ValueErrors); anything else is COMPILE_FAILED, so that 1
+  means only "does not fit"."""
+  _define_flags()
+  cli_lib.run(main, argv=argv, failed=cli_lib.USAGE, unexpected=COMPILE_FAILED)
 
 
 if __name__ == "__main__":
-  _define_flags()
-  flags.mark_flag_as_required("config")
-  app.run(main)
+  cli()

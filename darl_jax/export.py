@@ -4,6 +4,12 @@
         --out=<file>.safetensors [--with_decoder] [--step=N] [--config_json=<path>] \
         [--use_ema | --no-use_ema]
 
+Exit status (darl_jax/cli.py, as every command): 0 written; 1 the export
+could not be made (no DARL checkpoint at the path, a damaged one, no EMA
+with ``--use_ema``, an unwritable ``--out``); 2 bad input, one ``error:``
+line (an unknown or missing flag, a value of the wrong type, a
+``--config_json`` that does not exist).
+
 writes ``<file>.safetensors`` (float32 tensors under PyTorch names, see
 ``docs/EXPORT.md``) and ``<file>.json``, the *sidecar*: everything needed to
 rebuild the network without this code base (sizes, positional encoding and its
@@ -46,6 +52,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
+from darl_jax import cli as cli_lib
 from darl_jax import ops
 from darl_jax.models import decoders as decoders_lib
 from darl_jax.models import posenc as posenc_lib
@@ -394,8 +401,9 @@ def export(checkpoint: str, out: str, *, with_decoder: bool = False,
 def main(argv: list[str] | None = None) -> int:
   # argparse, not absl flags: absl registers flags globally at import, which
   # would clash with other CLIs' --checkpoint/--step in one test process.
-  parser = argparse.ArgumentParser(prog="python -m darl_jax.export",
-                                   description=__doc__.split("\n\n")[0])
+  # cli_lib.ArgumentParser: a flag error is one ``error:`` line, status 2.
+  parser = cli_lib.ArgumentParser(prog="python -m darl_jax.export",
+                                  description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", required=True,
                       help="workdir, <workdir>/checkpoints or <workdir>/checkpoints/<step>")
   parser.add_argument("--out", required=True, help="output <file>.safetensors")
@@ -410,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="export the checkpoint's EMA of the parameters (--no-use_ema: "
                            "its parameters); default: the EMA where the checkpoint has one")
   args = parser.parse_args(argv)
+  if args.config_json and not epath.Path(args.config_json).exists():
+    parser.error(f"the --config_json file {args.config_json} does not exist")
   from darl_jax import checkpoint as checkpoint_lib
   checkpoint_lib.drop_closed_loop_reports()
   try:
@@ -417,11 +427,17 @@ def main(argv: list[str] | None = None) -> int:
                                 step=args.step, config_json=args.config_json,
                                 use_ema=args.use_ema)
   except ExportError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+    print(f"error: {cli_lib.one_line(e)}", file=sys.stderr)
+    return cli_lib.FAILED
   print(f"wrote {st_path} and {json_path}")
   return 0
 
 
+def cli(argv: list[str] | None = None):
+  """The command: ``main``, and anything else it raises (an unwritable
+  --out, a bug) one line too (darl_jax/cli.py)."""
+  sys.exit(cli_lib.guarded(main, argv))
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  cli()

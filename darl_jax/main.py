@@ -6,21 +6,28 @@ darl_jax/objectives.py) handed to the shared loop, or a job's own driver
 (sampling, train/sample.py; few-shot scoring of a checkpoint,
 train/fewshot.py). Rerunning the same command on the same workdir resumes
 from the newest complete checkpoint.
+
+Every error is one ``error:`` line on stderr. Exit status (darl_jax/cli.py,
+shared by every command): 0 done; 1 the run could not do its work (a missing
+or damaged data file or checkpoint, a refused resume, an unusable or busy
+workdir, a step that does not fit, a diverged run; an unexpected error names
+the file its traceback went to, the workdir's error.log); 2 bad input (an
+unknown flag or config key, a value of the wrong type or one the config's
+checks refuse, a --config file that does not exist or does not load, a
+missing --config or --workdir); 130 interrupted; 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from darl_jax import cli as cli_lib
 from darl_jax import distributed  # defines --distributed, --coordinator, ...
 from darl_jax import interrupts
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (experiments/*.py[:args]).", lock_config=True)
+cli_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 
 
@@ -114,48 +121,11 @@ def _quiet_library_logs():
   checkpoint.drop_closed_loop_reports()
 
 
-def _traceback_file(workdir: str | None, exc: BaseException) -> str | None:
-  """Writes the traceback of an unexpected error beside the run (or into the
-  temporary directory); returns the path, None if nothing could be written."""
-  import tempfile
-  import traceback
-  text = "".join(traceback.format_exception(exc))
-  candidates = []
-  if workdir and "://" not in workdir and os.path.isdir(workdir):
-    candidates.append(os.path.join(workdir, "error.log"))
-  candidates.append(os.path.join(tempfile.gettempdir(), f"darl_jax_error_{os.getpid()}.log"))
-  for path in candidates:
-    try:
-      with open(path, "w") as f:
-        f.write(text)
-      return path
-    except OSError:
-      continue
-  return None
-
-
-def _fail(message: str, code: int = 1):
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(code)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  try:
-    config = _CONFIG.value
-    if config is not None:
-      config.get("trainer")      # a file that failed to load raises on first use
-  except Exception as e:  # pylint: disable=broad-except
-    # config_flags loads the file lazily, on first use, and wraps its errors.
-    path = _config_path(sys.argv)
-    if path and not os.path.exists(path):
-      _fail(f"the --config file {path} does not exist")
-    while e.__cause__ is not None:
-      e = e.__cause__
-    _fail(f"cannot load --config {path}: {type(e).__name__}: {' '.join(str(e).split())}")
-  if config is None:
-    raise app.UsageError("--config is required, e.g. --config=experiments/fashion_mnist_diff.py")
+  config = cli_lib.loaded_config(
+      required="--config is required, e.g. --config=experiments/fashion_mnist_diff.py")
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (a local path or gs://bucket/dir)")
   # Keep TensorFlow (used only by the TFDS input pipeline) off the accelerators.
@@ -166,89 +136,25 @@ def main(argv):
     # Multi-host jobs connect here, before anything touches a device.
     distributed.initialize()
   except ValueError as e:
-    _fail(str(e))
-  from darl_jax.train import loop
+    cli_lib.fail(cli_lib.one_line(e), cli_lib.FAILED)
+  from darl_jax.train import aot, loop
   # Ctrl-C and SIGTERM raise (once any checkpoint save under way has started),
-  # so that the loop finishes that save and releases the workdir's lock.
+  # so that the loop finishes that save and releases the workdir's lock;
+  # cli_lib.report turns them into one line (130, 143).
   interrupts.install()
   try:
     get_job(config.trainer)(config, _WORKDIR.value)
-  except KeyboardInterrupt:
-    _fail("interrupted; rerun the same command to resume from the last checkpoint", 130)
-  except interrupts.Terminated:
-    _fail("terminated (SIGTERM); rerun the same command to resume from the last "
-          "checkpoint", 143)
-  except (ValueError, OSError, loop.NonFiniteError) as e:
-    # User errors (bad values, missing files, a refused resume, a busy or
-    # unwritable workdir, a diverged run): their message names the fix.
-    # OSError covers unreadable data files. One line, no traceback.
-    _fail(" ".join(str(e).split()) or type(e).__name__)
-  except Exception as e:  # pylint: disable=broad-except
-    # Anything else is a bug, here or in a library: still one line on the
-    # console (the checkpoints are safe, the loop saw to that), and the
-    # traceback in a file for the bug report.
-    where = _traceback_file(_WORKDIR.value, e)
-    _fail(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
-          + (f" (traceback in {where})" if where else ""))
-
-
-def _config_arg(argv) -> str | None:
-  return next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-
-
-def _config_path(argv) -> str | None:
-  """The file of ``--config=<file>[:args]``."""
-  cfg_arg = _config_arg(argv)
-  return cfg_arg.partition(":")[0] if cfg_arg else None
-
-
-def _unknown_override(argv) -> str | None:
-  """Names the first ``--config.a.b=...`` whose key the config file lacks."""
-  import runpy
-  cfg_arg = _config_arg(argv)
-  if cfg_arg is None:
-    return None
-  path, _, arg = cfg_arg.partition(":")
-  config = runpy.run_path(path)["get_config"](arg or None)
-  from darl_jax import config_lib
-  for a in argv:
-    if not a.startswith("--config."):
-      continue
-    try:
-      config_lib.config_node(config, a[len("--config."):].split("=", 1)[0])
-    except ValueError as e:
-      return f"{a}: {e}"
-  return None
-
-
-def _parse_flags(argv):
-  """absl's flag parsing with every error as one ``error:`` line (exit 2):
-  an unknown ``--config.*`` key (config_flags raises AttributeError/KeyError
-  while applying overrides), a value of the wrong type, an unknown flag."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    message = " ".join(str(e).split())
-  except (AttributeError, KeyError) as e:
-    message = _unknown_override(argv) or f"bad config override: {e}"
-  except Exception as e:  # pylint: disable=broad-except
-    # The config file itself fails while it is loaded (a syntax error, an
-    # exception in get_config).
-    path = _config_path(argv)
-    if path and not os.path.exists(path):
-      message = f"the --config file {path} does not exist"
-    else:
-      message = (f"cannot load --config {path}: {type(e).__name__}: "
-                 f"{' '.join(str(e).split())[:500]}")
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
+  except (aot.DoesNotFit, loop.NonFiniteError) as e:
+    # A step too large for the device (a ConfigError, but the config is
+    # valid: the devices are too small), a diverged run: the run's failure,
+    # status 1, its message names the fix.
+    cli_lib.fail(cli_lib.one_line(e), cli_lib.FAILED)
 
 
 def cli():
+  """Every error as one line (darl_jax/cli.py has the exit statuses)."""
   logging.set_verbosity(logging.INFO)
-  # main() turns every error into one line itself; what escapes app.run comes
-  # from flag parsing (_parse_flags) or is SystemExit.
-  app.run(main, flags_parser=_parse_flags)
+  cli_lib.run(main, workdir=lambda: _WORKDIR.value, resumable=True)
 
 
 if __name__ == "__main__":

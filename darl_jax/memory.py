@@ -55,11 +55,11 @@ with about 1.4x the ``none`` column and 1.1x the ``full`` column.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import numpy as np
+
+from darl_jax import cli as cli_lib
 
 GIB = 2.0 ** 30
 DEFAULT_VARIANTS = ("B/16", "L/16", "H/14", "g/14")
@@ -235,7 +235,9 @@ def table(estimates: list[Estimate], device_gib: float | None = None) -> str:
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(
+  # cli_lib.ArgumentParser: a flag error is one ``error:`` line, status 2; the
+  # ValueErrors below (a bad --mesh or --variant) are the flags' too: 2.
+  parser = cli_lib.ArgumentParser(
       prog="python -m darl_jax.memory",
       description="Per-device memory estimate (GiB) for DARL pretraining.")
   parser.add_argument("--variant", default=",".join(DEFAULT_VARIANTS),
@@ -272,9 +274,11 @@ def main(argv=None) -> str:
   return "\n".join(lines)
 
 
+def cli(argv=None) -> None:
+  """The command: ``main``'s table, or one ``error:`` line (status 2 for a
+  bad flag value, the ValueErrors of main; darl_jax/cli.py)."""
+  print(cli_lib.guarded(main, argv, failed=cli_lib.USAGE))
+
+
 if __name__ == "__main__":
-  try:
-    print(main())
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  cli()

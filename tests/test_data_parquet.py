@@ -90,6 +90,19 @@ def test_bad_input_names_the_fix(files):
     build_source(cfg(path=f"{root}/val-*.parquet"), split="train", seed=0)
 
 
+def test_a_truncated_file_is_named(files, tmp_path):
+  """pyarrow's own message names no file."""
+  root, _ = files
+  data = open(f"{root}/train-00001-of-00002.parquet", "rb").read()
+  for size in (len(data) // 2, 3):
+    cut = tmp_path / f"cut-{size}.parquet"
+    cut.write_bytes(data[:size])
+    with pytest.raises(ValueError, match=f"the Parquet file {cut} cannot be read .*copy it "
+                                         "again, or leave it out of data.path"):
+      build_source(cfg(path=f"{root}/train-00000-of-00002.parquet,{cut}"), split="train",
+                   seed=0)
+
+
 def test_a_converted_folder_reads_as_the_folder(tmp_path):
   """``convert --format=parquet``: HF's image struct and label column, row
   groups of 256, every split's rows in the folder's order: an unshuffled pass

@@ -155,6 +155,66 @@ def test_truncated_shards_and_bad_members_are_skipped(tmp_path):
   assert len(source._bad) == 1   # pylint: disable=protected-access
 
 
+def _labeled_shard(path, rng, n=4):
+  """n samples ``s<i>.png`` + ``s<i>.json`` (a long label member, so that a
+  cut can fall inside it); returns the members' (name, offset, data offset)."""
+  members = []
+  for i in range(n):
+    members += [(f"s{i}.png", image_files.encode(rng)),
+                (f"s{i}.json", json.dumps({"label": i % 2, "pad": "x" * 600}).encode())]
+  _tar(path, members)
+  with tarfile.open(path) as tar:
+    return {m.name: (m.offset, m.offset_data) for m in tar.getmembers()}
+
+
+@pytest.mark.parametrize("where,kept,skipped", [
+    ("after the last image", 3, 1),         # s3.json's header gone: s3 lost its label
+    ("inside the last label", 3, 1),        # s3.json cut: s3 is incomplete
+    ("before the end marker", 4, 0),        # every sample whole, the marker gone
+])
+def test_a_shard_cut_short_is_named_and_its_incomplete_sample_skipped(tmp_path, caplog,
+                                                                        where, kept, skipped):
+  """A shard cut short is named in a warning whatever the cut, the sample
+  that lost its label is skipped and counted, and the split stays labeled
+  (one image without a label used to make it unlabeled)."""
+  rng = np.random.default_rng(5)
+  offsets = _labeled_shard(tmp_path / "a-0.tar", rng)
+  _labeled_shard(tmp_path / "a-1.tar", rng)
+  data = (tmp_path / "a-0.tar").read_bytes()
+  cut = {"after the last image": offsets["s3.json"][0],
+         "inside the last label": offsets["s3.json"][1] + 100,
+         "before the end marker": offsets["s3.json"][1] + 1024}[where]
+  (tmp_path / "a-0.tar").write_bytes(data[:cut])
+  caplog.set_level("WARNING")
+  source = build_source(cfg(path=f"{tmp_path}/a-{{0..1}}.tar", val_split_size=0),
+                        split="train", seed=0)
+  assert source.num_examples == 4 + kept and source.num_classes == 2
+  assert sorted(set(source.labels.tolist())) == [0, 1]
+  shard = str(tmp_path / "a-0.tar")
+  assert f"tar shard {shard} is cut short" in caplog.text
+  assert f"1 of the 2 tar shard(s) read here are cut short ({shard}); {skipped} incomplete" \
+      in caplog.text
+  if skipped:
+    assert "a-0.tar/s3" in caplog.text
+  assert "a-1.tar is cut short" not in caplog.text
+
+
+def test_an_unlabeled_shard_cut_between_members_keeps_its_last_image(tmp_path):
+  """Without labels anywhere, the last image of a cut shard lost nothing we read."""
+  rng = np.random.default_rng(6)
+  _tar(tmp_path / "u.tar", [(f"{i}.png", image_files.encode(rng)) for i in range(3)])
+  with tarfile.open(tmp_path / "u.tar") as tar:
+    end = max(m.offset_data + m.size for m in tar.getmembers())
+  data = (tmp_path / "u.tar").read_bytes()
+  (tmp_path / "u.tar").write_bytes(data[:-(-end // 512) * 512])   # the marker cut off
+  index = webdataset.index_shard(str(tmp_path / "u.tar"))
+  assert index["truncated"] and "no end-of-archive marker" in index["truncated"]
+  assert index["keys"] == ["0", "1", "2"] and index["suspect"] == "2"
+  source = build_source(cfg(path=str(tmp_path / "u.tar"), val_split_size=0), split="train",
+                        seed=0)
+  assert source.num_examples == 3 and source.num_classes == 0
+
+
 def test_convert_command_line(folder, tmp_path, capsys):
   from absl import flags
   flags.FLAGS(["convert", f"--src={folder}", f"--dst={tmp_path}", "--shard_size=100"])

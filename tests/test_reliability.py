@@ -312,11 +312,12 @@ def test_batch_larger_than_the_dataset_is_refused(tmp_path):           # 10
 
 def test_cli_bad_values_and_workdirs_are_one_line(tmp_path):         # 5, 7, 8
   (tmp_path / "a_file").write_text("")
-  line = assert_one_line_error(cli(tmp_path / "wd", "--config.checkpoint_every_steps=0"))
+  # Bad input is status 2, a workdir the run cannot use 1 (darl_jax/cli.py).
+  line = assert_one_line_error(cli(tmp_path / "wd", "--config.checkpoint_every_steps=0"), 2)
   assert "config.checkpoint_every_steps must be a positive integer" in line
   line = assert_one_line_error(cli(tmp_path / "a_file"))
   assert "is a file, not a directory" in line
-  line = assert_one_line_error(cli(tmp_path / "wd", config=str(tmp_path / "missing.py")))
+  line = assert_one_line_error(cli(tmp_path / "wd", config=str(tmp_path / "missing.py")), 2)
   assert "missing.py does not exist" in line
 
 

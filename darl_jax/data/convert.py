@@ -27,6 +27,12 @@ written with ``group_size:1``, ArrayRecord's setting for random access.
 in Hugging Face's image layout: an ``image`` column of ``{bytes, path}``
 structs (the file's bytes unchanged, its relative path), an integer ``label``
 column when the folder has class sub-folders, row groups of 256 images.
+
+Exit status (darl_jax/cli.py, as every command): 0 done; 1 the folder
+cannot be converted (it does not exist, holds no images, a file cannot be
+read or a shard written: the line names it); 2 bad input, one ``error:``
+line (an unknown flag, a bad value such as ``--shard_size=0`` or an unknown
+``--format``, ``--src`` or ``--dst`` left out).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Optional, Sequence
 
 from absl import app, flags
 
+from darl_jax import cli as cli_lib
 from darl_jax.data import image_folder
 
 FORMATS = ("tar", "arrayrecord", "parquet")
@@ -200,11 +207,12 @@ def _brace(paths: list[str]) -> str:
 _SRC = flags.DEFINE_string("src", None, "the image folder to convert")
 _DST = flags.DEFINE_string("dst", None, "the folder to write the shards into")
 _FORMAT = flags.DEFINE_enum("format", "tar", list(FORMATS), "shard format")
-_SHARD_SIZE = flags.DEFINE_integer("shard_size", 10_000, "images per shard")
+_SHARD_SIZE = flags.DEFINE_integer("shard_size", 10_000, "images per shard", lower_bound=1)
 
 
 def main(argv) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not _SRC.value or not _DST.value:
     raise app.UsageError("--src and --dst are required")
   start = time.perf_counter()
@@ -217,5 +225,10 @@ def main(argv) -> None:
         f"--config.data.name={SOURCE_NAMES[_FORMAT.value]} --config.data.path='{train}'{extra}")
 
 
+def cli(argv=None):
+  """The command, every error one line (darl_jax/cli.py)."""
+  cli_lib.run(main, argv=argv)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  cli()

@@ -17,6 +17,14 @@ resumes from its checkpoint).
   --set       data.path=... and other settings that do not change results
   --list      print the runs and their stages' commands, run nothing
   --report_only  write the reports from the results there are
+
+Every error is one ``error:`` line. Exit status (darl_jax/cli.py, as every
+command): 0 every stage ran (or was done); 1 a stage failed (the line names
+it and its log) or the study cannot run (an unknown study, a --runs that is
+not a regular expression, a --set key that changes results; an unexpected
+error names its traceback file); 2 bad input (an unknown flag, a value of
+the wrong type, an unknown --scale); 130 interrupted; 143 terminated
+(SIGTERM: the stages stop and resume on the next run).
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import sys
 
 from absl import app, flags, logging
 
+from darl_jax import cli as cli_lib
 from darl_jax.studies import catalog
 from darl_jax.studies import report as report_lib
 from darl_jax.studies import runner as runner_lib
 from darl_jax.studies import spec as S
 
 _STUDY = flags.DEFINE_string("study", None, "Study names, comma-separated, or 'all'.")
-_SCALE = flags.DEFINE_string("scale", "fmnist", "tiny | fmnist | imagenet")
+_SCALE = flags.DEFINE_enum("scale", "fmnist", list(S.SCALES), "The studies' scale.")
 _OUT = flags.DEFINE_string("out", None, "Results and reports folder.")
 _WORK = flags.DEFINE_string("work", None, "Stage workdirs folder.")
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per configuration; 0 = the scale's default.")
@@ -128,13 +137,9 @@ def _compilation_cache(runner) -> None:
     jax.config.update("jax_compilation_cache_dir", str(runner.work / "jax_cache"))
 
 
-def cli():
+def cli(argv=None):
   logging.set_verbosity(logging.INFO)
-  try:
-    app.run(main)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  cli_lib.run(main, argv=argv, workdir=lambda: _WORK.value, resumable=True)
 
 
 if __name__ == "__main__":

@@ -29,19 +29,20 @@ task.
 
 Run: ``python -m darl_jax.train.vtab --config=experiments/vtab.py:task=all,init=<dir>
 --workdir=<dir>`` (main.py's trainers are single loops; this driver runs many).
+Every error is one ``error:`` line, with darl_jax/cli.py's exit statuses
+(``cli``'s docstring): 2 bad input, 1 a run that could not do its work.
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Callable
 
 import ml_collections
 from absl import app, flags, logging
 from etils import epath
-from ml_collections import config_flags
 
+from darl_jax import cli as cli_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax.data import vtab_tasks
@@ -206,22 +207,24 @@ def main(argv, config, workdir):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if config is None or not workdir:
     raise app.UsageError("--config=experiments/vtab.py:task=... and --workdir are required")
-  try:
-    run_suite(config, workdir)
-  except (ValueError, FileNotFoundError) as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  run_suite(config, workdir)
 
 
-def cli():
-  # Flags are defined here, not at import, so tests and main.py can import
-  # this module without a clash over --config/--workdir.
-  config = config_flags.DEFINE_config_file("config", None, "experiments/vtab.py[:args]",
-                                           lock_config=True)
-  workdir = flags.DEFINE_string("workdir", None, "Root directory of the suite's runs.")
+def cli(argv=None):
+  """The command. Every error is one ``error:`` line; exit status
+  (darl_jax/cli.py, as every command): 0 done; 1 a run could not do its
+  work (data, a checkpoint, a refused resume; an unexpected error names its
+  traceback file); 2 bad input (an unknown flag or config key, a bad value,
+  a --config file that does not exist or does not load); 130 interrupted;
+  143 terminated. A rerun resumes."""
+  # Flags are defined here, not at import, and once (cli_lib), so that tests
+  # and main.py can import this module without a clash over --config/--workdir.
+  cli_lib.define_config_flag("experiments/vtab.py[:args]")
+  if "workdir" not in flags.FLAGS:
+    flags.DEFINE_string("workdir", None, "Root directory of the suite's runs.")
   logging.set_verbosity(logging.INFO)
-  app.run(lambda argv: main(argv, config.value, workdir.value))
+  cli_lib.run(lambda argv: main(argv, cli_lib.loaded_config(), flags.FLAGS.workdir),
+              argv=argv, workdir=lambda: flags.FLAGS.workdir, resumable=True)
 
 
 if __name__ == "__main__":
