@@ -147,19 +147,25 @@ def test_report_reads_the_headline_k_and_the_first_pooling():
 # ------------------------------------------------------------------- the job
 
 
-def test_job_runs_end_to_end_on_a_tiny_model(tmp_path):
-  """The random backbone (no checkpoint needed) on digits, every block, two
-  poolings, against a brute-force kNN of the same features."""
+def _job(workdir, devices, *flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=cpu_devices_flags(1))
+             XLA_FLAGS=cpu_devices_flags(devices))
   proc = subprocess.run(
       [sys.executable, "-m", "darl_jax.main", f"--config={EXPERIMENT}:tiny",
-       f"--workdir={tmp_path}", "--config.knn.poolings=('mean','last')",
+       f"--workdir={workdir}", "--config.knn.poolings=('mean','last')",
        "--config.knn.ks=(1,20,200)", "--config.knn.report_k=20",
-       "--config.knn.num_train_examples=300", "--config.eval_max_batches=3"],
+       "--config.knn.num_train_examples=300", "--config.eval_max_batches=3", *flags],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads((tmp_path / "knn_accuracy.json").read_text())
+  return json.loads((workdir / "knn_accuracy.json").read_text())
+
+
+def test_job_runs_end_to_end_on_a_tiny_model(tmp_path):
+  """The random backbone (no checkpoint needed) on digits, every block, two
+  poolings, on two devices (the test rows split between them, each share
+  padded to the chunk of 5), against a brute-force kNN of the same
+  features. (The runner test below runs it on one device.)"""
+  report = _job(tmp_path, 2, "--config.knn.test_chunk_size=5")
   assert report["num_train"] == 300 and report["num_test"] == 48
   assert report["blocks"] == ["block_00", "block_01"] and report["ks"] == [1, 20, 200]
   assert len(report["grid"]) == 2 * 3 * 2
