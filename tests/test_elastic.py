@@ -36,25 +36,38 @@ BATCH = 8
 SHARD = 12             # 4 shards: files 0, 2 and 1, 3 are the two streams of 2 processes
 
 
+def image_folder(root: pathlib.Path, first: int) -> pathlib.Path:
+  """``root/train`` of 48 images with ids ``first, first + 1, ...`` and
+  ``root/val`` of 4 more (ids 250-253): image i a constant colour whose red
+  channel is i."""
+  for split, ids in (("train", range(first, first + NUM_TRAIN)), ("val", range(250, 254))):
+    os.makedirs(root / split)
+    for i in ids:
+      pixels = np.zeros((8, 8, 3), np.uint8) + np.asarray([i, 255 - i, 7], np.uint8)
+      Image.fromarray(pixels).save(root / split / f"{i:03d}.png")
+  return root
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
   """{source: data overrides}: an image folder, tar shards and Parquet files of
-  the same 48 training images (and 4 validation ones), image i a constant
-  colour whose red channel is i."""
+  the same 48 training images (ids 0-47, and 4 validation ones); and a
+  mixture of all three kinds, each of other images (tar 0-47, Parquet
+  64-111, the folder 128-175)."""
   root = tmp_path_factory.mktemp("elastic")
-  for split, ids in (("train", range(NUM_TRAIN)), ("val", range(200, 204))):
-    os.makedirs(root / "folder" / split)
-    for i in ids:
-      pixels = np.zeros((8, 8, 3), np.uint8) + np.asarray([i, 255 - i, 7], np.uint8)
-      Image.fromarray(pixels).save(root / "folder" / split / f"{i:03d}.png")
-  for fmt in ("tar", "parquet"):
-    convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=SHARD)
-  ext = {"tar": "tar", "parquet": "parquet"}
+  image_folder(root / "folder", 0)
   out = {"folder": {"name": "image_folder", "path": str(root / "folder")}}
   for fmt, name in (("tar", "webdataset"), ("parquet", "parquet")):
-    out[fmt] = {"name": name, "path": f"{root}/{fmt}/train-*.{ext[fmt]}",
-                "eval_path": f"{root}/{fmt}/validation-*.{ext[fmt]}",
+    convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=SHARD)
+    out[fmt] = {"name": name, "path": f"{root}/{fmt}/train-*.{fmt}",
+                "eval_path": f"{root}/{fmt}/validation-*.{fmt}",
                 "index_cache_dir": str(root / "index")}
+  convert.convert(str(image_folder(root / "mix_parquet", 64)), str(root / "mix_parquet_files"),
+                  "parquet", shard_size=SHARD)
+  folder = image_folder(root / "mix_folder", 128)
+  out["mixture"] = {"name": "mixture", "index_cache_dir": str(root / "index"),
+                    "mixture": f"{out['tar']['path']}=1,{root}/mix_parquet_files/train-*.parquet"
+                               f"=1,image_folder:{folder}=1"}
   return out
 
 
@@ -148,6 +161,32 @@ def test_one_stream_stays_one_and_a_stream_count_needs_owned_files(data, monkeyp
     folder.train_iterator(BATCH, state={"next_step": 0, "streams": 4})
   with pytest.raises(ValueError, match="streams must be a positive integer"):
     folder.train_iterator(BATCH, state={"next_step": 0, "streams": 0})
+
+
+class _Sequential(base.DataSource):
+  """A source read in order only, its stream cut by process (as tf.data's)."""
+  image_shape, num_classes, num_examples = (2, 2, 1), 0, 8
+
+  def train_batches(self, batch_size, start_step=0, process_index=0, process_count=1):
+    local = batch_size // process_count
+    while True:
+      yield {"image": np.full((local, 2, 2, 1), process_index, np.uint8),
+             "label": np.zeros(local, np.int32)}
+
+  def eval_batches(self, batch_size, process_index=0, process_count=1, num_workers=0):
+    return iter(())
+
+
+def test_a_sequential_stream_resumes_on_its_process_count_only():
+  source = _Sequential()
+  it = source.train_iterator(4, start_step=3, process_index=1, process_count=2,
+                             state={"next_step": 3, "processes": 2})
+  next(it)
+  assert it.get_state() == {"next_step": 4, "processes": 2}
+  with pytest.raises(ValueError, match="read by 2 processes.*resume on 2 processes.*records"):
+    source.train_iterator(4, start_step=4, process_count=1, state=it.get_state())
+  # A checkpoint from before the record: the step alone, resumed as before.
+  assert next(source.train_iterator(4, start_step=4, state={"next_step": 4}))["image"].shape[0] == 4
 
 
 def test_the_topology_line():
@@ -244,10 +283,10 @@ def _overrides(data: dict, *, devices: int, steps: int, stop: int = 0, workers: 
   return flags + [f"--config.data.{k}={v}" for k, v in data.items()]
 
 
-def run_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices: int,
-            steps: int = 6, stop: int = 0, workers: int = 0, timeout: float = 300):
-  """Runs (and waits for) the training command in ``processes`` processes of
-  ``devices`` devices each; returns the folder of what the recorder wrote."""
+def start_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices: int,
+              steps: int = 6, stop: int = 0, workers: int = 0):
+  """Starts the training command in ``processes`` processes of ``devices``
+  devices each; returns (the folder the recorder writes to, the processes)."""
   out = workdir.parent / f"{workdir.name}-{processes}x{devices}-{stop}"
   out.mkdir()
   script = workdir.parent / "recorded_main.py"
@@ -269,6 +308,14 @@ def run_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices: i
                      workers=workers)],
         cwd=ROOT, env=dict(env), stdout=log, stderr=subprocess.STDOUT))
     log.close()
+  return out, procs
+
+
+def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
+  """Waits for runs of ``start_cli`` (started together: independent runs share
+  the 2 cores, most of a run is one core's imports and compiles); on a
+  failure or the timeout kills the rest and fails with the logs."""
+  procs = [p for _, ps in runs for p in ps]
   deadline = time.time() + timeout
   while any(p.poll() is None for p in procs) and time.time() < deadline:
     if any(p.poll() not in (None, 0) for p in procs):
@@ -279,9 +326,10 @@ def run_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices: i
       p.kill()
       p.wait()
   if any(p.returncode for p in procs):
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-4000:]}" for f in sorted(out.glob("log_*")))
-    pytest.fail(f"the run in {workdir} failed\n{logs}")
-  return out
+    logs = "\n".join(f"--- {f.parent.name}/{f.name}\n{f.read_text()[-4000:]}"
+                     for out, _ in runs for f in sorted(out.glob("log_*")))
+    pytest.fail(f"a run failed or timed out\n{logs}")
+  return [out for out, _ in runs]
 
 
 def seen_ids(out: pathlib.Path, first: int, last: int) -> dict[int, list[int]]:
@@ -306,21 +354,23 @@ def losses(workdir: pathlib.Path) -> dict[int, float]:
   return out
 
 
-def check_resumed(straight, stopped, resumed, resumed_dir, straight_dir, *, stop: int,
-                  rtol: float):
-  """The restored state is the saved one; the epoch's ids have no repeat
-  and no gap; the global batches and the losses are the straight run's."""
+def check_resumed(straight, stopped, resumed, *, stop: int, whole_epoch: bool, rtol: float):
+  """The restored state is the saved one; the global batches are the
+  straight run's, so the losses are too (to ``rtol``), and no example is
+  seen twice: with ``whole_epoch`` the 6 steps are the epoch, every example
+  once."""
   saved, restored = np.load(stopped / "saved.npz"), np.load(resumed / "restored.npz")
   assert sorted(saved.files) == sorted(restored.files)
   for key in saved.files:
     np.testing.assert_array_equal(saved[key], restored[key], err_msg=key)
   epoch = {**seen_ids(stopped, 0, stop), **seen_ids(resumed, stop, 6)}
-  assert sorted(epoch) == list(range(6))
+  assert sorted(epoch) == list(range(6)) and epoch == seen_ids(straight, 0, 6)
   ids = [i for s in range(6) for i in epoch[s]]
-  assert sorted(ids) == list(range(NUM_TRAIN)), ids
-  assert epoch == seen_ids(straight, 0, 6)
+  assert len(ids) == len(set(ids)) == 6 * BATCH, ids
+  if whole_epoch:
+    assert sorted(ids) == list(range(NUM_TRAIN))
   assert "resuming on another topology" in (resumed / "log_0.txt").read_text()
-  want, got = losses(straight_dir), losses(resumed_dir)
+  want, got = losses(straight.parent / "straight"), losses(resumed.parent / resumed.name.split("-")[0])
   assert sorted(got) == list(range(1, 7))
   np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
                              rtol=rtol, atol=1e-7)
@@ -329,28 +379,33 @@ def check_resumed(straight, stopped, resumed, resumed_dir, straight_dir, *, stop
 @pytest.mark.parametrize("source", ["folder", "tar", "parquet"])
 def test_eight_devices_stopped_and_resumed_on_four_and_two(data, source, tmp_path):
   """8 devices (data 4 x fsdp 2), stopped after step 2, resumed on 4 (data 2
-  x fsdp 2, with a data worker) and on 2 (fsdp 2). The losses agree to
-  float32 rounding: the devices sum the gradient's parts in another order."""
-  straight = run_cli(tmp_path / "straight", data[source], devices=8)
-  stopped = run_cli(tmp_path / "run", data[source], devices=8, stop=2)
-  for devices, workers in ((4, 1), (2, 0)):
-    workdir = tmp_path / f"on{devices}"
-    shutil.copytree(tmp_path / "run", workdir)
-    resumed = run_cli(workdir, data[source], devices=devices, workers=workers)
-    check_resumed(straight, stopped, resumed, workdir, tmp_path / "straight", stop=2,
-                  rtol=1e-5)
+  x fsdp 2, with a data worker) and on 2 (fsdp 2). One process: one global
+  stream. The losses agree to float32 rounding (rtol 1e-5): the devices sum
+  the gradient's parts in another order."""
+  straight, stopped = wait(start_cli(tmp_path / "straight", data[source], devices=8),
+                           start_cli(tmp_path / "run", data[source], devices=8, stop=2))
+  for devices in (4, 2):
+    shutil.copytree(tmp_path / "run", tmp_path / f"on{devices}")
+  resumed = wait(start_cli(tmp_path / "on4", data[source], devices=4, workers=1),
+                 start_cli(tmp_path / "on2", data[source], devices=2))
+  for out in resumed:
+    check_resumed(straight, stopped, out, stop=2, whole_epoch=True, rtol=1e-5)
 
 
-@pytest.mark.parametrize("source", ["tar", "parquet", "folder"])
-def test_two_processes_resumed_with_one_and_with_four(data, source, tmp_path):
-  """2 processes of one device (FSDP across them), each reading its own
-  shards (2 streams), stopped after step 2; resumed by 1 process of 2
-  devices and by 4 processes of one device: the same global batches."""
-  straight = run_cli(tmp_path / "straight", data[source], processes=2, devices=1)
-  stopped = run_cli(tmp_path / "run", data[source], processes=2, devices=1, stop=2)
-  for processes, devices in ((1, 2), (4, 1)):
-    workdir = tmp_path / f"with{processes}"
-    shutil.copytree(tmp_path / "run", workdir)
-    resumed = run_cli(workdir, data[source], processes=processes, devices=devices)
-    check_resumed(straight, stopped, resumed, workdir, tmp_path / "straight", stop=2,
-                  rtol=1e-5)
+def test_two_processes_resumed_with_one_and_with_four(data, tmp_path):
+  """2 processes of one device (FSDP across them), each reading its own tar
+  and Parquet files (2 streams) beside a shared image folder, in one mixture
+  of the three (one set of runs for the three kinds of source: each run
+  here is several processes); stopped after step 2, resumed by 1 process of
+  2 devices and by 4 processes of one device: the same global batches."""
+  mixture = data["mixture"]
+  straight, stopped = wait(
+      start_cli(tmp_path / "straight", mixture, processes=2, devices=1),
+      start_cli(tmp_path / "run", mixture, processes=2, devices=1, stop=2))
+  for processes in (1, 4):
+    shutil.copytree(tmp_path / "run", tmp_path / f"with{processes}")
+  resumed = wait(start_cli(tmp_path / "with1", mixture, processes=1, devices=2),
+                 start_cli(tmp_path / "with4", mixture, processes=4, devices=1))
+  for out in resumed:
+    check_resumed(straight, stopped, out, stop=2, whole_epoch=False, rtol=1e-5)
+    assert "in its 2 stream(s)" in (out / "log_0.txt").read_text()

@@ -195,9 +195,18 @@ class DataSource(abc.ABC):
     check_process(process_index, process_count)
     pipeline.check_state(state, start_step)
     if not self.random_access:
+      # A sequential stream (tf.data) is cut into one part per process: it
+      # continues only on the number of processes that wrote the state.
+      saved = (state or {}).get("processes", process_count)
+      if saved != process_count:
+        raise ValueError(
+            f"the checkpoint's data stream was read by {saved} processes and "
+            f"{type(self).__name__} splits its stream by process: resume on {saved} "
+            f"processes, or use a random-access form of the data (for TFDS datasets "
+            f"data.backend='records'), whose stream any number of processes continues")
       return pipeline.SequentialIterator(
           self.train_batches(batch_size, start_step, process_index, process_count),
-          start_step)
+          start_step, state={"processes": process_count})
     if self.num_examples == 0:
       raise ValueError("cannot train on an empty split")
     streams = self.resumed_streams(state, process_count)

@@ -19,11 +19,14 @@ P > 1 training processes, process p reads the training files ``p, p + P,
 p + 2P, ...`` of the sorted file list and nothing else: it indexes only them
 (when ``data.eval_path`` is set; a hash split needs every file's keys) and
 its training stream is its own (indexed.py). Epochs and schedules count the
-examples of all processes (gathered once at build time). "all": every
-process indexes every file and takes its slice of one global stream, so a
-P-process batch equals a 1-process one (at the cost of each host touching
-every shard). Validation and test splits are read by all processes, each its
-slice, either way.
+examples of all processes (gathered once at build time). The number of
+streams is fixed when the run starts: resumed on P' processes, a process
+builds the sources of the streams its rows of the global batch are in
+(``build(..., stream=(g, S))``, no collective), about S / P' streams' files
+each. "all": every process indexes every file and takes its slice of one
+global stream, so a P-process batch equals a 1-process one (at the cost of
+each host touching every shard). Validation and test splits are read by all
+processes, each its slice, either way.
 """
 
 from __future__ import annotations

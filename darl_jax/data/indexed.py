@@ -16,15 +16,22 @@ reproduces the uninterrupted run exactly: a checkpoint needs only the step.
 (pipeline.py) runs it in worker processes.
 The 1-process batch equals the concatenation of the P process batches.
 
-Files owned by processes (``data.process_files="own"``, encoded.py): a
-sharded source's training split read by P > 1 processes gives process p
-only its own files. Its stream is then its own: epoch e is its examples in
-the order of ``default_rng(SeedSequence([seed, e, p]))``, step s takes its
-positions ``[s * b, (s + 1) * b)``, and the crop counter of own position j
-is ``j * P + p`` (distinct over processes). ``num_examples`` is the sum over
-all processes (what epochs and schedules count), ``size`` this process's
-share. Still a pure function of (seed, step, P): resume holds; the batch no
-longer equals a 1-process run's.
+Streams of owned files (``data.process_files="own"``, encoded.py): a
+sharded source's training split read by P > 1 processes is cut into S = P
+streams when the run starts, stream g holding the files ``g, g + S, ...``.
+Stream g's epoch e is its examples in the order of
+``default_rng(SeedSequence([seed, e, g]))``, and the crop counter of its
+position j is ``j * S + g`` (distinct over streams). The global batch of
+step s is the streams side by side: rows ``[g * B/S, (g + 1) * B/S)`` are
+stream g's positions ``[s * B/S, (s + 1) * B/S)`` (``base.stream_rows``).
+When P = S process p reads exactly stream p, its own files; S is kept in
+the data state, so a run resumed on P' processes reads the same global
+batches: each process takes its rows of them, building (``stream_source``,
+from the builder ``regroup``) the sources of the streams those rows are in.
+``num_examples`` is the sum over all streams (what epochs and schedules
+count), ``size`` this stream's share. A pure function of (seed, step, S):
+the batch does not equal a 1-stream run's, but it is the same on any
+number of processes, devices or workers.
 """
 
 from __future__ import annotations

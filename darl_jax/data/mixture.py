@@ -25,13 +25,15 @@ checkpoint), per-process slices and worker processes hold as for one
 source, and the per-component counts up to any step are exact; they are
 logged when the stream starts and every ``LOG_EVERY`` steps.
 
-Files owned by processes (encoded.py, ``data.process_files="own"``): when a
-component's training files are split over P > 1 processes, every process
-mixes a stream of its own: process p's mixture position j (step s holds
-``[s*b, (s+1)*b)``, b = B / P) is assigned to a component as above, and a
-component's position k is k of its own stream if it owns files, else
-position ``k * P + p`` of its global stream (interleaved, so processes never
-share an example). Each process then logs the counts of its own stream.
+Streams of owned files (encoded.py, indexed.py, ``data.process_files="own"``):
+when a component's training files are split into S > 1 streams (one per
+process when the run starts), the mixture has S streams too: stream g's
+position j (step s holds ``[s*B/S, (s+1)*B/S)``) is assigned to a component
+as above, and a component's position k is k of its stream g if it splits
+its files, else position ``k * S + g`` of its global stream (interleaved, so
+streams never share an example). The counts logged are one stream's (every
+stream has the same). A run resumed on another number of processes keeps S
+(``stream_source`` builds the mixture of any stream g).
 
 Labels: each component's own; the mixture is labeled when all components are,
 with the largest class count, else unlabeled (one warning). Evaluation runs

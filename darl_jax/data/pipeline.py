@@ -11,8 +11,10 @@ whose element ``k`` is the batch of step ``k``::
 so each of ``num_workers`` processes decodes and augments whole batches,
 Grain hands them back in step order, and nothing about the order depends on
 the worker count: 0, 1 or 16 workers give the same batches. The iterator's
-state is the next step it will deliver (``{"next_step": k}``); a resumed
-run rebuilds the dataset from ``k``. Batches are uint8 (images) and int32
+state is the next step it will deliver (``{"next_step": k}``) and, when the
+global batch is made of several streams, their number (``"streams"``,
+base.stream_rows); a resumed run rebuilds the dataset from ``k``, with any
+number of workers and processes. Batches are uint8 (images) and int32
 (labels): conversion to float happens on the device.
 
 Shared memory: Grain's workers hand each batch over as POSIX shared-memory
@@ -343,9 +345,10 @@ class StepIterator(_Counted):
 class SequentialIterator(_Counted):
   """A source's own sequential batch iterator, with the same state interface."""
 
-  def __init__(self, batches: Iterator[dict], start_step: int):
+  def __init__(self, batches: Iterator[dict], start_step: int, state: dict | None = None):
     self._iter = batches
     self._next_step = int(start_step)
+    self._extra = dict(state or {})
 
   def set_state(self, state: dict) -> None:
     if int(state["next_step"]) != self._next_step:
