@@ -40,6 +40,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_max_batches = 0         # 0: the whole eval split
   c.keep_checkpoints = 3
   c.stop_after_steps = 0         # > 0: leave after this many steps (checkpointed)
+  # Preemption (darl_jax/preemption.py): SIGTERM and this signal, which a
+  # scheduler can send ahead of the stop (Slurm: --signal=USR1@90; "" for
+  # none), stop the loop at a step every process reaches, save it and exit
+  # with status 143; a save not committed preemption_deadline_s after the
+  # notice is removed and the process exits (25: a 30-second notice).
+  c.preemption_signal = "SIGUSR1"
+  c.preemption_deadline_s = 25.0
   c.skip_nonfinite = False
   # > 0: keep an exponential moving average of the parameters in the train
   # state (darl_jax/ema.py; MAR's 0.9999), checkpointed with it; with
@@ -324,7 +331,8 @@ def topology_change(meta: dict, now: dict, batch_size: int, streams: int) -> str
 # Keys whose change says nothing about the state's shape: left out when a
 # state mismatch lists the config keys that changed since the checkpoint.
 RUN_LENGTH_KEYS = ("total_steps", "total_epochs", "stop_after_steps", "log_every_steps",
-                   "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints")
+                   "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints",
+                   "preemption_signal", "preemption_deadline_s")
 
 
 def changed_keys(meta: dict, config) -> list[str]:
@@ -375,6 +383,7 @@ _RULES = [
     ("eval_max_batches", _int(0), "an integer >= 0 (0: the whole split)", 0),
     ("keep_checkpoints", _int(1), "an integer >= 1 (checkpoints kept)", 3),
     ("stop_after_steps", _int(0), "an integer >= 0 (0: run to the end)", 0),
+    ("preemption_deadline_s", lambda v: v > 0, "a positive number of seconds", 25.0),
     ("seed", _int(0), "an integer >= 0", 0),
     ("microbatch_size", _int(-1), "an integer >= -1 (0: the whole batch, -1: automatic)", 0),
     ("device_memory_gib", lambda v: v >= 0, "a number >= 0 (0: the device's own)", 0.0),
@@ -477,6 +486,11 @@ def validate(config) -> None:
     _check(config, dotted, ok, want, example)
   for dotted, ok, want, example in _LIST_RULES:
     _check_list(config, dotted, ok, want, example)
+  if "preemption_signal" in config:
+    try:
+      preemption_signal_number(config.preemption_signal)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}: set --config.preemption_signal=SIGUSR1") from None
   scale = config.get("data", {}).get("crop_scale")
   if scale is not None:
     try:
@@ -493,6 +507,29 @@ def validate(config) -> None:
     for axis in mesh.keys():
       _check(config, f"mesh.{axis}", lambda v: v == -1 or _int(1)(v),
              "-1 (all remaining devices) or a positive integer", 1)
+
+
+# Signals that cannot be config.preemption_signal: SIGINT is Ctrl-C's (it
+# interrupts at once), the others cannot be caught or mean a fault.
+UNUSABLE_SIGNALS = ("SIGINT", "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE",
+                    "SIGILL", "SIGABRT", "SIGPIPE")
+
+
+def preemption_signal_number(name) -> int | None:
+  """``"SIGUSR1"`` or ``"USR1"`` -> its number; ``""`` -> None (no signal
+  beside SIGTERM). ValueError (``preemption_signal ...``) naming the valid
+  names otherwise."""
+  import signal  # pylint: disable=g-import-not-at-top
+  text = name.strip().upper() if isinstance(name, str) else None
+  if text == "":
+    return None
+  valid = sorted(s.name for s in signal.Signals
+                 if s.name not in UNUSABLE_SIGNALS and not s.name.startswith("SIGRT"))
+  full = None if text is None else (text if text.startswith("SIG") else "SIG" + text)
+  if full not in valid:
+    raise ValueError(f"preemption_signal must be a signal name such as SIGUSR1, or \"\" for "
+                     f"none, got {name!r}; valid: {', '.join(valid)}")
+  return int(signal.Signals[full])
 
 
 def config_node(config, dotted: str):

@@ -103,6 +103,7 @@ def knn_config() -> ml_collections.ConfigDict:
   c = config_lib.base_config()
   c.trainer = "knn"
   del c["optim"]                 # nothing is trained
+  c.total_epochs = 0.0           # (what the studies' --list counts as training)
   c.init_from = ""               # pretraining workdir / checkpoint; "" = random backbone
   c.init_step = -1
   c.model.update(causal=True, drop_path=0.0)

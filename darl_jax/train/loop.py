@@ -48,6 +48,7 @@ from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
 from darl_jax import optim
+from darl_jax import preemption
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
@@ -55,6 +56,12 @@ from darl_jax.train import accumulate
 from darl_jax.train import aot
 from darl_jax.train import executables
 from darl_jax.train import feed as feed_lib
+
+
+# Steps the loop dispatches ahead of the device: the host waits for step
+# n - IN_FLIGHT before it dispatches step n + 1 (preemption.py's agreement
+# reasons from this bound).
+IN_FLIGHT = 2
 
 
 class NonFiniteError(RuntimeError):
@@ -692,6 +699,8 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   and the checkpointer, also when an error ends the run."""
   # ------------------------------------------------------------------ writers
   is_main = jax.process_index() == 0
+  # The preemption signal stops set-up as SIGTERM does (the CLI's handlers).
+  preemption.route_signals(config)
   # config.json and metrics.jsonl are written by writer.start, after the
   # resume checks: a refused resume leaves the workdir as it was.
   writer = cleanup.enter_context(metrics_lib.MetricWriter(
@@ -805,6 +814,12 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     stop_at = min(total_steps, start_step + config.stop_after_steps)
   profile = Profile(config, workdir, is_main)
   cleanup.callback(profile.stop)
+  # A preemption notice (SIGTERM, config.preemption_signal) stops the loop at
+  # a step every process reaches, with that step's checkpoint (preemption.py).
+  preempt = preemption.Preemption(config, in_flight=IN_FLIGHT, unfinished=ckpt.tmp_dirs,
+                                  is_main=is_main, start_step=start_step)
+  cleanup.callback(preempt.close)
+  preempt.open()
   step = start_step
   for step in range(start_step + 1, stop_at + 1):
     batch, data_state = next(feed)
@@ -813,10 +828,10 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     profile.after(step, metrics)
     history.append(metrics)
     record = {}     # this step's one line in metrics.jsonl: log window and evaluation
-    # At most two steps in flight: the host waits for the device here, so
-    # time spent in next(feed) is the device waiting for input (feed.py).
+    # At most IN_FLIGHT steps in flight: the host waits for the device here,
+    # so time spent in next(feed) is the device waiting for input (feed.py).
     in_flight.append(metrics["loss"])
-    if len(in_flight) > 2:
+    if len(in_flight) > IN_FLIGHT:
       in_flight.popleft().block_until_ready()
     clock.tick()
     if step == start_step + 1:
@@ -861,12 +876,17 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       # error names is in metrics.jsonl, with its nonfinite count.
       writer.write_scalars(step, record)
       check_finite(state, f"at the log of step {step}")
-    if step % config.checkpoint_every_steps == 0 or step in (total_steps, stop_at):
+    stop = preempt.stop_step(step)     # None until a preemption notice
+    if step % config.checkpoint_every_steps == 0 or step in (total_steps, stop_at, stop):
       save(state, step)
       clock.skip()
+    if step == stop:
+      preempt.stop(step, ckpt.wait)     # waits for the commit, raises Terminated
 
   feed.close()
   ckpt.wait()
+  preempt.after_loop(step)     # a notice after the last step: Terminated, no finalize
+  preempt.close()
   if stop_at == total_steps:
     trainer.finalize(ctx, model, host_readable(built.eval_view(state), mesh))
   ckpt.close()
