@@ -24,6 +24,12 @@ the other in-memory sources); the test split is streamed with tf.data.
 Nothing is downloaded: an unprepared dataset fails with the ``tfds build``
 command that prepares it (diabetic_retinopathy needs the Kaggle files, see
 the TFDS catalogue).
+
+``vtab_source="synthetic"`` replaces a task's data by random images with
+the task's class count and VTAB-1k's split sizes (the test split as large as
+val200), made in memory without TensorFlow: the suite's driver, its
+programs and its speed can then be tried without preparing 19 datasets.
+Not for learning anything.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ GROUPS = ("natural", "specialized", "structured")
 SPLITS = ("train800", "val200", "train800val200", "test")
 TRAIN_EXAMPLES = 800
 VAL_EXAMPLES = 200
+SOURCES = ("tfds", "synthetic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +114,9 @@ _TASK_LIST = (
          "test[50%:]", 9, label_key="label_elevation"),
 )
 TASKS: dict[str, Task] = {t.name: t for t in _TASK_LIST}
+# The largest class count of the tasks (sun397): the head size at which every
+# task runs the same programs (train/vtab.py).
+MAX_CLASSES = max(t.num_classes for t in _TASK_LIST)
 
 
 def get_task(name: str) -> Task:
@@ -249,21 +259,45 @@ class StreamSource(DataSource):
       yield pad_batch(None, local, self.image_shape)
 
 
+def synthetic_arrays(task: Task, parts, image_size: int, test_examples: int = VAL_EXAMPLES):
+  """Random uint8 images ``[n, S, S, 3]`` and labels over the task's classes
+  for ``parts`` (split_parts' list; a whole split, the test split, has
+  ``test_examples``): each TFDS split expression gets its own fixed draw
+  (from the task's name and the expression), so ``train800val200`` holds
+  ``train800``'s and ``val200``'s examples, as the real splits do."""
+  images, labels = [], []
+  for tfds_split, take in parts:
+    n = take or test_examples
+    seed = np.frombuffer(f"{task.name}/{tfds_split}".encode(), np.uint8)
+    rng = np.random.default_rng(seed)
+    images.append(rng.integers(0, 256, (n, image_size, image_size, 3), dtype=np.uint8))
+    labels.append(rng.integers(0, task.num_classes, (n,), dtype=np.int32))
+  return np.concatenate(images), np.concatenate(labels)
+
+
 def build_source(config: Any, *, split: str, seed: int) -> DataSource:
   """The source of ``split`` (``SPLITS``) of task ``config.vtab_task``.
 
   Config keys: vtab_task, image_size, channels, augment, tfds_data_dir,
-  vtab_train_examples (800), vtab_val_examples (200).
+  vtab_train_examples (800), vtab_val_examples (200), vtab_source ("tfds",
+  or "synthetic": random images, see the module docstring).
   """
   task = get_task(cfg_get(config, "vtab_task", None))
   size = int(cfg_get(config, "image_size", 224))
   channels = int(cfg_get(config, "channels", 3))
   data_dir = cfg_get(config, "tfds_data_dir", None)
+  num_val = int(cfg_get(config, "vtab_val_examples", VAL_EXAMPLES))
   parts = split_parts(task, split, int(cfg_get(config, "vtab_train_examples", TRAIN_EXAMPLES)),
-                      int(cfg_get(config, "vtab_val_examples", VAL_EXAMPLES)))
-  if split == "test":
+                      num_val)
+  origin = cfg_get(config, "vtab_source", "tfds")
+  if origin not in SOURCES:
+    raise ValueError(f"unknown data.vtab_source {origin!r}; valid: {', '.join(SOURCES)}")
+  if origin == "synthetic":
+    images, labels = synthetic_arrays(task, parts, size, test_examples=num_val)
+  elif split == "test":
     return StreamSource(task, parts[0][0], size, channels, data_dir)
-  images, labels = load_arrays(task, parts, size, data_dir)
+  else:
+    images, labels = load_arrays(task, parts, size, data_dir)
   return ArraySource(images, labels, num_classes=task.num_classes, image_size=size,
                      channels=channels, augment=cfg_get(config, "augment", "none"), seed=seed,
                      crop_scale=cfg_get(config, "crop_scale", aug.CROP_SCALE))

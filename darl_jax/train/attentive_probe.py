@@ -222,5 +222,7 @@ class AttentiveProbeTrainer(linear_probe.LinearProbeTrainer):
       ctx.writer.write_scalars(step, scalars)
     logging.info("attentive probe over %s: accuracy %.4f", ", ".join(report["blocks"]),
                  report["accuracy"])
+    report["programs"] = self.programs.report()     # counted from the trainer's start
+    logging.info("%s", self.programs.line("attentive probe"))
     if jax.process_index() == 0:
       files.write_json_atomic(ctx.workdir / "attentive_probe.json", report, indent=1)

@@ -52,6 +52,7 @@ from darl_jax import files
 from darl_jax import sharding as sharding_lib
 from darl_jax.train import linear_probe
 from darl_jax.train import loop
+from darl_jax.train import programs
 
 # ------------------------------------------------------------------ the fit
 
@@ -235,10 +236,14 @@ def run(config, workdir: str) -> dict:
   the chosen L2 strengths) and one metrics.jsonl record at the checkpoint's
   step with the keys pretraining logs (``val_fewshot_<k>shot``, ``_std``).
   The workdir contract of the sampling job: locked, config.json written
-  once the checks passed, no checkpoints."""
+  once the checks passed, no checkpoints. The report and the last log line
+  say how many programs the job compiled (train/programs.py); the features
+  program is kept by the persistent compilation cache (loop.job), so a rerun
+  on a checkpoint of the same model loads it."""
   from darl_jax.models import darl as darl_lib
   from darl_jax.train import sample
 
+  count = programs.Count()
   config_lib.validate(config)
   if not config.get("init_from"):
     raise ValueError("the fewshot job needs --config.init_from=<pretraining workdir>")
@@ -272,11 +277,13 @@ def run(config, workdir: str) -> dict:
               "support_split": config.fewshot_eval.support_split,
               "query_split": config.fewshot_eval.query_split,
               "num_classes": evaluator.num_classes,
-              "shots": {str(k): v for k, v in scores.items()}}
+              "shots": {str(k): v for k, v in scores.items()},
+              "programs": count.report()}
     metrics = {f"val_{k}": v for k, v in metric_dict(scores).items()}
     writer.write_scalars(ckpt_step, metrics)
     if is_main:
       files.write_json_atomic(workdir / "fewshot.json", report, indent=1)
     logging.info("few-shot accuracy of %s (step %d): %s", config.init_from, ckpt_step,
                  {k: round(v, 4) for k, v in metrics.items()})
+    logging.info("%s", count.line("few-shot"))
     return metrics

@@ -22,6 +22,20 @@ scaling: True". We read the fine-tuning value literally, as the peak rate
 Weights read from ``init_from``: the pretraining run's EMA where its
 checkpoint has one (``use_ema=None``), or as ``use_ema`` says (True: the EMA,
 an error where there is none; False: the raw parameters).
+
+Programs. The train step, the evaluation step and the state's
+initialisation are compiled before the first step (train/loop.py) and kept
+by JAX's persistent compilation cache (``compilation_cache_dir``), so a
+rerun, or another run of the same program in the same process, loads them
+instead of compiling. What reaches the programs: the model and the batch's
+shape, the recipe's constants (drop path, mixup, label smoothing, layer
+decay) and the head's size; not the run's length, learning rate or weight
+decay (inputs of the step, optim.Hyperparams). ``head.num_classes`` pads
+the head to a fixed size (models/heads.py: the task's classes are a
+variable of the model state, the rest masked), so that tasks with other
+class counts share the train and evaluation steps (VTAB); only the state's
+initialisation, which sets that variable, is one program per class count.
+Each run logs at its end how many programs it compiled (train/programs.py).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from darl_jax.data import randaugment
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import loop
+from darl_jax.train import programs
 from darl_jax.train import transfer
 
 
@@ -52,7 +67,10 @@ def finetune_config() -> ml_collections.ConfigDict:
   c.init_step = -1            # checkpoint step to restore; -1 = the newest
   c.data.augment = "spatial"  # random-resized crop + flip on the host
   c.model.update(causal=False, drop_path=0.0)
-  c.head = ml_collections.ConfigDict({"readout": "last", "sos": True})
+  # head.num_classes: 0 = the data's class count; more = a head of that many
+  # outputs whose first (the data's count) are the classes and the rest
+  # masked, so that datasets with other class counts share the programs.
+  c.head = ml_collections.ConfigDict({"readout": "last", "sos": True, "num_classes": 0})
   # num_ops = 0 turns RandAugment off.
   c.randaugment = ml_collections.ConfigDict({
       "num_ops": 2, "magnitude": 9.0, "magnitude_std": 0.5, "prob": 0.5})
@@ -123,6 +141,7 @@ class FinetuneTrainer(loop.Trainer):
       # The decay is per backbone block: default the depth from the variant.
       optim_cfg.num_layers = backbone_depth(config.model)
     self._at_size = {}   # eval_image_sizes: size -> (eval source, jitted eval step)
+    self.programs = programs.Count()   # logged by finalize
 
   # -------------------------------------------------------------- data
 
@@ -141,29 +160,30 @@ class FinetuneTrainer(loop.Trainer):
     if cfg.head.readout not in heads.READOUTS:
       raise ValueError(f"unknown head.readout {cfg.head.readout!r}; valid: "
                        f"{', '.join(heads.READOUTS)}")
+    outputs, task_classes = head_size(cfg.head, num_classes, cfg.data.name)
     backbone, patch = vit_lib.vit_from_config(cfg.model)
-    return heads.Classifier(backbone=backbone, patch_size=patch, num_classes=num_classes,
-                            readout=cfg.head.readout, sos=cfg.head.sos)
+    return heads.Classifier(backbone=backbone, patch_size=patch, num_classes=outputs,
+                            readout=cfg.head.readout, sos=cfg.head.sos,
+                            task_classes=task_classes)
 
   def init_variables(self, model, rng, batch):
-    return {"params": model.init({"params": rng}, batch["image"], train=False)["params"]}
+    # params, and for a padded head its class mask (model state: "classes")
+    return dict(model.init({"params": rng}, batch["image"], train=False))
 
   def load_pretrained(self, ctx, params):
     return restore_backbone(ctx, self.config, params)
 
   # -------------------------------------------------------- loss / eval
 
-  def targets(self, labels, num_classes):
-    return mixup_lib.smooth_labels(labels, num_classes, self.config.get("label_smoothing", 0.0))
-
   def prepare_batch(self, model, batch, rng, train):
-    """Soft targets (label smoothing) and, in training, mixup / cutmix, made
-    on the whole batch: mixup pairs examples across it, so it runs once per
-    step before any split into microbatches (train/accumulate.py). Adds
-    ``batch["targets"] [B, K]``; ``image`` is the mixed batch."""
+    """Targets and, in training, mixup / cutmix, made on the whole batch:
+    mixup pairs examples across it, so it runs once per step before any
+    split into microbatches (train/accumulate.py). Adds ``batch["targets"]
+    [B, K]`` (one-hot, mixed; the loss smooths them, see smooth_targets);
+    ``image`` is the mixed batch."""
     mix_rng, _ = jax.random.split(rng)
     images = batch["image"]
-    targets = self.targets(batch["label"], model.num_classes)
+    targets = jax.nn.one_hot(batch["label"], model.num_classes, dtype=jnp.float32)
     mix = self.config.get("mixup")
     if train and mix is not None:
       images, targets, _ = mixup_lib.mix_batch(
@@ -175,9 +195,11 @@ class FinetuneTrainer(loop.Trainer):
     _, drop_rng = jax.random.split(rng)
     if "targets" not in batch:    # called outside the train step (benchmarks, tests)
       batch = self.prepare_batch(model, batch, rng, train)
-    logits, _ = model.apply({"params": params}, batch["image"], train=train,
+    logits, _ = model.apply({"params": params, **model_state}, batch["image"], train=train,
                             rngs={"dropout": drop_rng})
-    loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, batch["targets"]))
+    targets = smooth_targets(batch["targets"], self.config.get("label_smoothing", 0.0),
+                             heads.class_mask(model_state))
+    loss = jnp.mean(mixup_lib.soft_cross_entropy(logits, targets))
     accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
     return loss, ({"train_accuracy": accuracy}, model_state)
 
@@ -209,9 +231,41 @@ class FinetuneTrainer(loop.Trainer):
 
   def eval_fn(self, model, params, model_state, batch, rng):
     del rng
-    del model_state
-    logits, _ = model.apply({"params": params}, batch["image"], train=False)
+    logits, _ = model.apply({"params": params, **model_state}, batch["image"], train=False)
     labels = batch["label"]
     loss = mixup_lib.soft_cross_entropy(logits, jax.nn.one_hot(labels, model.num_classes))
     return {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
             "loss": loss}
+
+  def finalize(self, ctx, model, state):
+    logging.info("%s", self.programs.line(f"{type(self).__name__} ({ctx.workdir})"))
+
+
+def head_size(head_cfg, data_classes: int, data_name: str = "the data") -> tuple[int, int]:
+  """``(outputs, task_classes)`` of the Classifier for ``data_classes``
+  classes: ``(data_classes, 0)`` without padding (``head.num_classes`` 0),
+  ``(head.num_classes, data_classes)`` for a padded head."""
+  size = int(head_cfg.get("num_classes", 0) or 0)
+  if size == 0:
+    return data_classes, 0
+  if size < data_classes:
+    raise ValueError(f"head.num_classes={size} is smaller than the {data_classes} classes of "
+                     f"{data_name}; set --config.head.num_classes to at least {data_classes} "
+                     "(or 0: the data's count)")
+  return size, data_classes
+
+
+def smooth_targets(targets, smoothing: float, valid=None):
+  """Label smoothing of (mixed) one-hot ``targets [B, K]``: ``1 - smoothing``
+  of each row's mass stays, ``smoothing`` spreads evenly over the classes:
+  all K, or a padded head's ``valid`` ones (heads.class_mask), so that a
+  padded head gets the targets of an unpadded one. Mixing and smoothing
+  commute (both are affine and keep rows summing to 1), so smoothing after
+  mixup gives the targets of mixing smoothed labels."""
+  if not smoothing:
+    return targets
+  if valid is None:
+    uniform = 1.0 / targets.shape[-1]
+  else:
+    uniform = valid.astype(jnp.float32) / jnp.sum(valid.astype(jnp.float32))
+  return targets * (1.0 - smoothing) + smoothing * uniform

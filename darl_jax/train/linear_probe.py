@@ -58,6 +58,7 @@ from darl_jax.models import vit as vit_lib
 from darl_jax.train import finetune
 from darl_jax.train import loop
 from darl_jax.train import probe_grid
+from darl_jax.train import programs
 from darl_jax.train import transfer
 
 
@@ -185,6 +186,7 @@ class LinearProbeTrainer(loop.Trainer):
     super().__init__(config)
     self.grid = None                 # probe_grid.HeadGrid, built with the model
     self.held_out = None             # the held-out training rows (a grid's)
+    self.programs = programs.Count()  # the job's compiled programs, in its report
     if probe_grid.is_grid(config):
       probe_grid.check_loop_options(config)
 
@@ -357,6 +359,8 @@ class LinearProbeTrainer(loop.Trainer):
                                     "val_best_block": report["best_block_index"]})
     logging.info("linear probe: best %s (depth %.2f) %.4f", report["best_block"],
                  report["best_depth"], report["best_accuracy"])
+    report["programs"] = self.programs.report()
+    logging.info("%s", self.programs.line("linear probe"))
     if jax.process_index() == 0:
       files.write_json_atomic(ctx.workdir / "probe_accuracy.json", report, indent=1)
       plot_probe_accuracy(report, str(ctx.workdir / "probe_accuracy.png"))

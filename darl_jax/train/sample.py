@@ -26,7 +26,11 @@ optimizer, state or checkpoint, only the workdir contract (a lock,
    their distance to the original, ``used_ema`` (1: the EMA weights) and,
    with ``sample.classifier_steps > 0`` on labelled data, whether a pixel
    classifier trained here on the training split still recognises each
-   image's class in its completions.
+   image's class in its completions, and how many programs the job compiled
+   (``programs_compiled``; ``programs_loaded_from_cache``: those the
+   persistent compilation cache of loop.job gave, so a rerun of the same
+   model, batch and sampling settings compiles none of its sampling
+   programs; train/programs.py).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from darl_jax import files
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import loop
+from darl_jax.train import programs
 
 
 def sample_config() -> ml_collections.ConfigDict:
@@ -147,6 +152,7 @@ def run(config, workdir: str) -> dict:
   written (atomically) once the checks passed, metrics.jsonl started afresh
   (a rerun writes every record again). No checkpoints.
   """
+  count = programs.Count()
   config_lib.validate(config)
   pre, step = resolve(config)
   dtype = pre.model.get("dtype", "float32")
@@ -155,11 +161,15 @@ def run(config, workdir: str) -> dict:
     writer.start(None, config.to_dict())
     if not is_main:
       return {}
-    return complete(config, pre, step, model, workdir, writer)
+    return complete(config, pre, step, model, workdir, writer, count)
 
 
-def complete(config, pre, step: int, model, workdir, writer) -> dict:
-  """Loads the parameters, completes the images, writes the artifacts."""
+def complete(config, pre, step: int, model, workdir, writer,
+             count: programs.Count | None = None) -> dict:
+  """Loads the parameters, completes the images, writes the artifacts.
+  ``count``: the job's program count (default: from this call on)."""
+  if count is None:
+    count = programs.Count()
   s = config.sample
   image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
   # The step whose config built the model (load_pretrain_config).
@@ -192,6 +202,9 @@ def complete(config, pre, step: int, model, workdir, writer) -> dict:
                                       s.classifier_batch_size, config.seed)
     metrics.update(class_retention(classify, images, labels, samples, known_px))
 
+  report = count.report()
+  metrics.update(programs_compiled=float(report["compiled"]),
+                 programs_loaded_from_cache=float(report["loaded_from_cache"]))
   n = min(s.grid_images, len(images))
   grid = completion_grid(images[:n], samples[:n], known_px, scale=s.grid_scale)
   Image.fromarray(grid).save(str(workdir / "samples.png"))
@@ -202,6 +215,7 @@ def complete(config, pre, step: int, model, workdir, writer) -> dict:
   writer.write_scalars(0, metrics)
   logging.info("wrote %s/samples.png; metrics: %s", workdir,
                {k: round(v, 4) for k, v in metrics.items()})
+  logging.info("%s", count.line("sampling"))
   return metrics
 
 

@@ -18,6 +18,20 @@ loop's contract), so the whole suite is resumable at any point. Result files
 are written whole or not at all (``files.write_json_atomic``), so a kill
 never leaves a marker that claims a run finished or cannot be read.
 
+Programs. The tasks share their compiled programs: the head has
+``vtab_tasks.MAX_CLASSES`` outputs for every task (``head.num_classes``),
+the classes a task lacks masked (models/heads.py; the masked head trains as
+an unpadded one), so the train and evaluation steps of every task at one
+input resolution and batch are the same program, which JAX's persistent
+compilation cache (``compilation_cache_dir``, on by default) hands from the
+first run to the next, in this process and in a rerun. The learning rate and
+weight decay are inputs of the step; a sweep point's drop path,
+augmentation (mixup) and layer decay are constants of its train step, so the
+paper's grid has 3 x 2 x 3 = 18 train steps per resolution and batch, each
+shared by all tasks (evaluation: one). Each run's ``result.json``, each
+task's result and the suite's table say how many programs were compiled
+(train/programs.py); the driver logs it at the end.
+
 Fixed recipe (table "Hyperparameters for VTAB Experiments"): label smoothing
 0.1, AdamW (0.9, 0.95), batch 256, cosine, 20000 steps, causal attention.
 The table's "Warm-up epochs 3000" can only be steps (20000 steps of 256 are
@@ -36,6 +50,7 @@ Every error is one ``error:`` line, with darl_jax/cli.py's exit statuses
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Callable
 
 import ml_collections
@@ -47,6 +62,7 @@ from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax.data import vtab_tasks
 from darl_jax.train import finetune
+from darl_jax.train import programs
 
 PAPER_SWEEP = {
     "drop_path": [0.0, 0.1, 0.2],
@@ -70,10 +86,13 @@ def vtab_config() -> ml_collections.ConfigDict:
   c.data.update(name="vtab", image_size=224, channels=3, augment="spatial",
                 train_split="train800", eval_split="val200")
   c.data.vtab_task = "cifar100"
+  c.data.vtab_source = "tfds"     # or "synthetic" (vtab_tasks: random images, no TFDS)
   c.data.vtab_train_examples = vtab_tasks.TRAIN_EXAMPLES
   c.data.vtab_val_examples = vtab_tasks.VAL_EXAMPLES
   c.model.update(causal=True, image_size=224, reference_image_size=224, channels=3)
   c.label_smoothing = 0.1
+  # One head size for every task: their programs are the same (module docstring).
+  c.head.num_classes = vtab_tasks.MAX_CLASSES
   c.optim.update(name="adamw", b1=0.9, b2=0.95, lr_scaling=False, warmup_steps=3000,
                  warmup_epochs=0.0, schedule="cosine")
   c.vtab = ml_collections.ConfigDict({
@@ -129,6 +148,7 @@ def run_one(config, workdir: epath.Path) -> float:
   # the run's last checkpoint. A run killed after its last step but before
   # the marker has nothing left to train; its final evaluation is then the
   # last val_accuracy in its metrics.jsonl.
+  count = programs.Count()
   last = loop.run(finetune.FinetuneTrainer(config), config, str(workdir))
   if "val_accuracy" not in last:
     last = metrics_lib.final_metrics(str(workdir))
@@ -137,7 +157,8 @@ def run_one(config, workdir: epath.Path) -> float:
                          f"delete the folder to rerun it")
   acc = float(last["val_accuracy"])
   files.write_json_atomic(workdir / "result.json",
-                          {"accuracy": acc, "eval_split": config.data.eval_split})
+                          {"accuracy": acc, "eval_split": config.data.eval_split,
+                           "programs": count.report()})
   return acc
 
 
@@ -145,6 +166,7 @@ def run_task(config, workdir, task: str, runner: Callable = run_one) -> dict:
   """Sweep, pick, retrain, test one task; writes and returns ``<task>/result.json``."""
   info = vtab_tasks.get_task(task)
   root = epath.Path(workdir) / task
+  count = programs.Count()
   scores = {}
   points = sweep_points(config.vtab.sweep)
   for point in points:
@@ -157,9 +179,11 @@ def run_task(config, workdir, task: str, runner: Callable = run_one) -> dict:
                     eval_split="test")
   test = runner(cfg, root / "final")
   result = {"task": task, "group": info.group, "val_accuracy": scores,
-            "best": point_name(best), "best_point": best, "test_accuracy": test}
+            "best": point_name(best), "best_point": best, "test_accuracy": test,
+            "programs": count.report()}   # this process's work on the task
   files.write_json_atomic(root / "result.json", result, indent=1)
   logging.info("vtab %s: best %s, test %.4f", task, point_name(best), test)
+  logging.info("%s", count.line(f"vtab {task}"))
   return result
 
 
@@ -172,8 +196,9 @@ def task_names(spec: str) -> list[str]:
   return names
 
 
-def results_table(results: list[dict]) -> str:
-  """Markdown: one row per task (group order), group means, the mean over tasks."""
+def results_table(results: list[dict], programs_line: str = "") -> str:
+  """Markdown: one row per task (group order), group means, the mean over
+  tasks, and ``programs_line`` (what the suite compiled) below them."""
   by_group = {g: [r for r in results if r["group"] == g] for g in vtab_tasks.GROUPS}
   lines = ["| group | task | best sweep point | test top-1 (%) |", "|---|---|---|---|"]
   for group, rows in by_group.items():
@@ -187,6 +212,8 @@ def results_table(results: list[dict]) -> str:
   if results:
     mean = 100 * sum(r["test_accuracy"] for r in results) / len(results)
     lines.append(f"| all | {len(results)} | {mean:.1f} |")
+  if programs_line:
+    lines += ["", programs_line]
   return "\n".join(lines) + "\n"
 
 
@@ -194,11 +221,17 @@ def run_suite(config, workdir, runner: Callable = run_one) -> list[dict]:
   """Runs ``config.vtab.tasks``; writes ``vtab_results.md`` and ``.json`` in ``workdir``."""
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  if not config.get("compilation_cache_dir") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    logging.warning("compilation_cache_dir is empty: every VTAB run compiles its own "
+                    "programs; set it (e.g. ~/.cache/darl_jax/jax) to share them")
+  count = programs.Count()
   results = []
   for task in task_names(config.vtab.tasks):
     results.append(run_task(config, workdir, task, runner))
+    line = "Programs (this process): " + count.line("the suite")
     files.write_json_atomic(workdir / "vtab_results.json", results, indent=1)
-    files.write_text_atomic(workdir / "vtab_results.md", results_table(results))
+    files.write_text_atomic(workdir / "vtab_results.md", results_table(results, line))
+  logging.info("%s", count.line(f"vtab ({len(results)} tasks)"))
   return results
 
 
