@@ -27,15 +27,16 @@ from jax import monitoring
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-# Names shown one by one in a summary line; the rest are summed as "others"
-# (JAX compiles a small program for each eager operation, e.g. jnp.zeros).
+# Names shown one by one in a summary line, those that took longest first;
+# the rest are summed as "others" (JAX compiles a small program for each
+# eager operation, e.g. jnp.zeros).
 SHOWN_NAMES = 6
 
 _lock = threading.Lock()
 _thread = threading.local()          # .hit: the cache announced a load on this thread
 _compiled: collections.Counter = collections.Counter()
 _loaded: collections.Counter = collections.Counter()
-_seconds = [0.0]                     # time spent in XLA's compile (or cache load) calls
+_seconds: collections.Counter = collections.Counter()   # per name: time in XLA's calls
 _installed = [False]
 
 
@@ -61,7 +62,7 @@ def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
   name = program_name(kwargs.get("fun_name", "?"))
   with _lock:
     (_loaded if hit else _compiled)[name] += 1
-    _seconds[0] += float(duration_secs)
+    _seconds[name] += float(duration_secs)
 
 
 def install() -> None:
@@ -74,9 +75,15 @@ def install() -> None:
   monitoring.register_event_duration_secs_listener(_on_duration)
 
 
-def _snapshot() -> tuple[collections.Counter, collections.Counter, float]:
+def _snapshot() -> tuple[collections.Counter, collections.Counter, collections.Counter]:
   with _lock:
-    return collections.Counter(_compiled), collections.Counter(_loaded), _seconds[0]
+    return (collections.Counter(_compiled), collections.Counter(_loaded),
+            collections.Counter(_seconds))
+
+
+def _since(now: collections.Counter, start: collections.Counter) -> dict:
+  now.subtract(start)
+  return {k: v for k, v in now.items() if v > 0}
 
 
 class Count:
@@ -88,19 +95,19 @@ class Count:
 
   def compiled(self) -> dict[str, int]:
     """``{program name: how many XLA compiled}`` since the start."""
-    now = _snapshot()[0]
-    now.subtract(self._compiled)
-    return {k: v for k, v in now.items() if v > 0}
+    return _since(_snapshot()[0], self._compiled)
 
   def loaded(self) -> dict[str, int]:
     """``{program name: how many came from the persistent compilation cache}``."""
-    now = _snapshot()[1]
-    now.subtract(self._loaded)
-    return {k: v for k, v in now.items() if v > 0}
+    return _since(_snapshot()[1], self._loaded)
+
+  def seconds_by_name(self) -> dict[str, float]:
+    """``{program name: seconds in XLA's compile calls, cache loads included}``."""
+    return _since(_snapshot()[2], self._seconds)
 
   def seconds(self) -> float:
     """Seconds spent in XLA's compile calls (cache loads included) since the start."""
-    return _snapshot()[2] - self._seconds
+    return sum(self.seconds_by_name().values())
 
   def report(self) -> dict:
     """The counts as plain data, for a job's report file."""
@@ -113,16 +120,17 @@ class Count:
   def line(self, job: str) -> str:
     """One log line: ``<job> compiled N programs (train_step 1, ...) in S s and
     loaded M from the persistent compilation cache (...)``."""
-    compiled, loaded = self.compiled(), self.loaded()
-    return (f"{job} compiled {sum(compiled.values())} programs{_by_name(compiled)} and "
-            f"loaded {sum(loaded.values())} from the persistent compilation cache"
-            f"{_by_name(loaded)}; {self.seconds():.1f} s in XLA's compile calls")
+    compiled, loaded, seconds = self.compiled(), self.loaded(), self.seconds_by_name()
+    return (f"{job} compiled {sum(compiled.values())} programs{_by_name(compiled, seconds)} "
+            f"and loaded {sum(loaded.values())} from the persistent compilation cache"
+            f"{_by_name(loaded, seconds)}; {sum(seconds.values()):.1f} s in XLA's compile "
+            "calls")
 
 
-def _by_name(counts: dict[str, int]) -> str:
+def _by_name(counts: dict[str, int], seconds: dict[str, float]) -> str:
   if not counts:
     return ""
-  ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+  ranked = sorted(counts.items(), key=lambda kv: (-seconds.get(kv[0], 0.0), kv[0]))
   parts = [f"{name} {n}" for name, n in ranked[:SHOWN_NAMES]]
   rest = sum(n for _, n in ranked[SHOWN_NAMES:])
   if rest:
