@@ -478,3 +478,157 @@ def test_sigterm_stops_the_running_stages_and_a_rerun_finishes(tmp_path):
   assert len(list((out / "stages").glob("finetune-*.json"))) < 4
   done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
   assert done.returncode == 0 and "readout: 4/4 runs complete" in done.stdout
+
+
+# A study runner whose stages are stand-ins (a Python sleeping 120 s; the
+# runner's command line is replaced at Popen) and which sends itself SIGTERM
+# at one point of the spawn path per round, as the CLI is set up (a handler
+# that exits with 143). Hook points: before the fork, right after it (the
+# child exists, Popen has not returned), after Popen returned (the runner has
+# not recorded the process yet), and in the runner's polls. After each round
+# every stand-in must be gone: one still running is a stage the runner would
+# leave without a parent.
+_SPAWN_DRIVER = r"""
+import json, os, pathlib, signal, subprocess, sys, time
+from darl_jax.studies import runner as runner_lib
+from darl_jax.studies import spec as S
+
+work = pathlib.Path(sys.argv[1])
+rounds = json.loads(sys.argv[2])
+TINY = S.get_scale("tiny")
+stages = [S.stage("pretrain", TINY.pretrain_mse, TINY.common, TINY.pretrain, {"seed": i})
+          for i in range(3)]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # as the CLI's
+real_popen, real_fork_exec = subprocess.Popen, subprocess._fork_exec
+state = {}
+
+def hit(where):
+  state["counts"][where] = state["counts"].get(where, 0) + 1
+  if [where, state["counts"][where]] in state["at"]:
+    if state["ready"]:        # the stand-ins ignore SIGTERM: wait until they do
+      while not all(os.path.exists(f) for f in state["ready"]):
+        time.sleep(0.01)
+    state["sent"] += 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def fork_exec(*args):
+  pid = real_fork_exec(*args)
+  state["children"].append(pid)
+  hit("after_fork")
+  return pid
+
+class Popen(real_popen):
+  def __init__(self, args, **kwargs):
+    hit("before_spawn")
+    n = len(state["children"])
+    ready = str(work / f"ready-{state['round']}-{n}")
+    code = ("import signal, time\n"
+            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if state["stubborn"] else "")
+            + f"open({ready!r}, 'w').close()\ntime.sleep(120)")
+    if state["stubborn"]:
+      state["ready"].append(ready)
+    super().__init__([sys.executable, "-c", code], **kwargs)
+    hit("after_spawn")
+
+  def poll(self):
+    hit("poll")
+    return super().poll()
+
+subprocess._fork_exec, subprocess.Popen = fork_exec, Popen
+for i, (at, stubborn) in enumerate(rounds):
+  state.update(round=i, at=at, stubborn=stubborn, counts={}, children=[], ready=[], sent=0)
+  runner = runner_lib.Runner(work / f"out{i}", work / f"work{i}")
+  start, status = time.time(), None
+  try:
+    runner.run(stages, parallel=2)
+  except SystemExit as e:
+    status = e.code
+  alive = []
+  for pid in state["children"]:
+    try:
+      if os.waitpid(pid, os.WNOHANG) == (0, 0):    # still running: nobody stopped it
+        alive.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+      pass                                           # reaped by the runner
+  print(json.dumps({"at": at, "status": status, "sent": state["sent"],
+                    "started": len(state["children"]), "alive": alive,
+                    "seconds": round(time.time() - start, 2)}), flush=True)
+"""
+
+
+def _spawn_rounds(tmp_path, rounds):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", _SPAWN_DRIVER, str(tmp_path), json.dumps(rounds)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_signal_anywhere_in_a_spawn_leaves_no_stage_running(tmp_path):
+  # parallel=2 over three parentless stages: two spawns, then polls.
+  points = [[where, n] for where in ("before_spawn", "after_fork", "after_spawn")
+            for n in (1, 2)] + [["poll", 1], ["poll", 2]]
+  rounds = _spawn_rounds(tmp_path, [([p], False) for p in points])
+  assert [r["at"] for r in rounds] == [[p] for p in points]
+  for r in rounds:
+    assert r["sent"] == 1, r                    # the hook point was reached
+    assert r["status"] == 143, r                # the CLI's SIGTERM exit, after the stop
+    assert r["alive"] == [], r                  # no stage left without its runner
+    assert r["seconds"] < 60, r                 # stopped, not waited out
+  # The spawn a signal lands in completes (and is stopped); no other starts.
+  started = {tuple(r["at"][0]): r["started"] for r in rounds}
+  assert [started[(w, 1)] for w in ("before_spawn", "after_fork", "after_spawn")] == [1, 1, 1]
+  assert [started[(w, 2)] for w in ("before_spawn", "after_fork", "after_spawn")] == [2, 2, 2]
+
+
+def test_a_second_signal_kills_stages_that_do_not_stop(tmp_path):
+  # Stand-ins that ignore SIGTERM: the first signal's terminate leaves them
+  # running; a second one, while the runner waits for them, kills them.
+  [r] = _spawn_rounds(tmp_path, [([["poll", 1], ["poll", 6]], True)])
+  assert r["sent"] == 2 and r["started"] == 2 and r["alive"] == [] and r["status"] == 143, r
+
+
+def _gone(pid: int) -> bool:
+  try:
+    return (pathlib.Path("/proc") / str(pid) / "stat").read_text().split(")")[-1].split()[0] == "Z"
+  except OSError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stage_ends_with_its_runner_even_when_the_runner_is_killed(tmp_path):
+  import signal
+  import time
+  stage = ("import sys, time\nfrom darl_jax.studies import runner\nrunner._die_with_runner()\n"
+           "open(sys.argv[1], 'w').close()\ntime.sleep(120)")
+  # The runner stand-in starts a stage as Runner._spawn does (its pid in the
+  # stage's environment) and is then killed with SIGKILL: nothing of it runs.
+  runner = subprocess.Popen(
+      [sys.executable, "-c", "import os, subprocess, sys, time\n"
+       f"env = dict(os.environ, {runner_lib.RUNNER_PID_ENV}=str(os.getpid()))\n"
+       f"child = subprocess.Popen([sys.executable, '-c', {stage!r}, {str(tmp_path / 'ready')!r}],"
+       " env=env)\nprint(child.pid, flush=True)\ntime.sleep(120)"],
+      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  try:
+    pid = int(runner.stdout.readline())
+    deadline = time.time() + 120
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+      time.sleep(0.05)
+    assert (tmp_path / "ready").exists()
+  finally:
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    runner.stdout.close()
+  deadline = time.time() + 30
+  while not _gone(pid) and time.time() < deadline:
+    time.sleep(0.05)
+  assert _gone(pid)
+  # A stage whose runner is gone before it could ask (another process is its
+  # parent) does not start.
+  env = dict(os.environ, **{runner_lib.RUNNER_PID_ENV: "1"})
+  late = subprocess.run([sys.executable, "-c", stage, str(tmp_path / "late")], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert late.returncode == 1 and "study runner (pid 1)" in late.stderr
+  assert not (tmp_path / "late").exists()

@@ -17,17 +17,25 @@ done; pretraining stages keep their last one for later downstream stages.
 
 ``parallel > 1`` runs up to that many stages at once as subprocesses (a
 small model leaves most of a GPU idle; each process allocates GPU memory as
-it needs it), in dependency order.
+it needs it), in dependency order. SIGTERM or SIGINT then stops every stage
+started (a second one kills them) before the runner ends, wherever the
+signal lands, and a stage ends with its runner even when the runner is
+killed outright (``_Stop``, ``_die_with_runner``): no stage trains on
+without a parent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from absl import logging
@@ -89,6 +97,7 @@ class Runner:
 
   def run_stage(self, stage: S.Stage) -> dict:
     """Runs one stage in this process and records its result."""
+    _die_with_runner()
     from darl_jax import main
     parent = str(self.workdir(stage.parent)) if stage.parent else ""
     config = S.load_config(stage, self.extra, init_from=parent)
@@ -126,57 +135,67 @@ class Runner:
                                       and stage.parent.id not in running
                                       and self.has_checkpoint(stage.parent))
 
-    try:
-      while pending or running:
-        out_of_time = deadline is not None and time.time() > deadline
-        for sid, stage in list(pending.items()):
-          if out_of_time or len(running) >= max(parallel, 1):
-            break
-          if stage.parent is not None and stage.parent.id in failed:
-            failed.append(sid)
-            del pending[sid]
-            continue
-          if not ready(stage):
-            continue
-          del pending[sid]
-          if parallel <= 1:
-            try:
-              self.run_stage(stage)
-            except Exception as e:  # pylint: disable=broad-except
-              logging.exception("stage %s failed", sid)
-              print(f"stage {sid} failed: {e}", file=sys.stderr)
+    # With subprocesses, a signal only sets ``stop.signals``; the loop looks
+    # at it where ``running`` holds every stage started (see _Stop). Stages
+    # run in this process take signals as the caller set them up.
+    with _Stop() if parallel > 1 else contextlib.nullcontext(None) as stop:
+      stopping = lambda: stop is not None and bool(stop.signals)
+      try:
+        while (pending or running) and not stopping():
+          out_of_time = deadline is not None and time.time() > deadline
+          for sid, stage in list(pending.items()):
+            if out_of_time or len(running) >= max(parallel, 1) or stopping():
+              break
+            if stage.parent is not None and stage.parent.id in failed:
               failed.append(sid)
-          else:
-            running[sid] = self._spawn(stage, parallel, child_args or [])
-        if out_of_time and not running:
-          break
-        if running:
-          time.sleep(0.5)
-        for sid, (proc, log, started) in list(running.items()):
-          if proc.poll() is None:
-            continue
-          log.close()
-          del running[sid]
-          if proc.returncode != 0 or self.result(by_id[sid]) is None:
-            failed.append(sid)
-            print(f"stage {sid} failed (exit {proc.returncode}); see {log.name}",
-                  file=sys.stderr)
-          else:
-            logging.info("stage %s done in %.0f s", sid, time.time() - started)
-        if not running and pending and not out_of_time and not any(
-            ready(s) or (s.parent is not None and s.parent.id in failed)
-            for s in pending.values()):
-          raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
-    finally:
-      # Interrupted (Ctrl-C, an error here): stop the stages still running;
-      # each resumes from its last checkpoint on the next run.
-      for proc, log, _ in running.values():
-        proc.terminate()
-        proc.wait()
-        log.close()
+              del pending[sid]
+              continue
+            if not ready(stage):
+              continue
+            del pending[sid]
+            if parallel <= 1:
+              try:
+                self.run_stage(stage)
+              except Exception as e:  # pylint: disable=broad-except
+                logging.exception("stage %s failed", sid)
+                print(f"stage {sid} failed: {e}", file=sys.stderr)
+                failed.append(sid)
+            else:
+              running[sid] = self._spawn(stage, parallel, child_args or [])
+          if out_of_time and not running:
+            break
+          if running and not stopping():
+            time.sleep(0.5)
+          if stopping():
+            break        # the stages a signal ended are not failures
+          failed += self._finished(running, by_id)
+          if not running and pending and not out_of_time and not any(
+              ready(s) or (s.parent is not None and s.parent.id in failed)
+              for s in pending.values()):
+            raise RuntimeError(f"stages wait on parents that never ran: {sorted(pending)}")
+      finally:
+        # A signal or an error here: stop the stages still running; each
+        # resumes from its last checkpoint on the next run.
+        _stop_stages(list(running.values()), stop)
     if pending:
       print(f"{len(pending)} stage(s) not started (--stop_after_minutes); rerun to continue",
             file=sys.stderr)
+    return failed
+
+  def _finished(self, running: dict[str, tuple], by_id: dict[str, S.Stage]) -> list[str]:
+    """Takes the stages that ended off ``running``; returns those that failed."""
+    failed = []
+    for sid, (proc, log, started) in list(running.items()):
+      if proc.poll() is None:
+        continue
+      log.close()
+      del running[sid]
+      if proc.returncode != 0 or self.result(by_id[sid]) is None:
+        failed.append(sid)
+        print(f"stage {sid} failed (exit {proc.returncode}); see {log.name}",
+              file=sys.stderr)
+      else:
+        logging.info("stage %s done in %.0f s", sid, time.time() - started)
     return failed
 
   def _spawn(self, stage: S.Stage, parallel: int, child_args: list[str]):
@@ -195,10 +214,104 @@ class Runner:
     # and the small CPU-bound stages ran several times slower
     # (docs/STUDIES.md, "Throughput for planning").
     env.setdefault("DARL_PROCESSES_PER_HOST", str(parallel))
-    proc = subprocess.Popen([sys.executable, "-m", "darl_jax.studies", *child_args,
-                             f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+    env[RUNNER_PID_ENV] = str(os.getpid())      # read by the stage: _die_with_runner
+    try:
+      proc = subprocess.Popen([sys.executable, "-m", "darl_jax.studies", *child_args,
+                               f"--stage={stage.id}"], stdout=log, stderr=subprocess.STDOUT,
+                              env=env)
+    except BaseException:
+      log.close()
+      raise
     return proc, log, time.time()
+
+
+# SIGTERM: a scheduler's stop or a preemption; SIGINT: Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Where a stage started by ``Runner._spawn`` finds its runner's process id.
+RUNNER_PID_ENV = "DARL_STUDY_RUNNER_PID"
+_PR_SET_PDEATHSIG = 1      # <linux/prctl.h>
+
+
+class _Stop:
+  """``with _Stop() as stop:`` SIGTERM and SIGINT are noted in
+  ``stop.signals`` instead of acting; at the end the first one is handed to
+  the handler it displaced (the CLI's exit with status 143, Ctrl-C's
+  KeyboardInterrupt, or the default action), unless an error ends the block.
+
+  Why: Python runs a signal's handler between any two bytecodes of the main
+  thread, and the CLI's handlers raise. Raised inside ``subprocess.Popen``
+  after the fork, or after Popen returned but before the runner recorded
+  the process, the exception lost the stage's handle: the runner stopped
+  the stages it knew of and exited, and that one trained on without a
+  parent (issue 56). A handler that only takes note can run anywhere; the
+  runner reads the note where its record of stages is whole. Blocking the
+  signals around the spawn (``pthread_sigmask``) was the alternative; but a
+  child inherits the blocked mask through exec, which Popen cannot reset,
+  and a process-directed signal still reaches any other thread of the
+  runner that has it unblocked. Signals ignored on entry (``nohup``) stay
+  ignored; outside the main thread nothing changes (no Python handler runs
+  there)."""
+
+  def __init__(self):
+    self.signals: list[int] = []
+    self._displaced: dict[int, object] = {}
+
+  def __enter__(self) -> "_Stop":
+    if threading.current_thread() is threading.main_thread():
+      for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+          self._displaced[signum] = signal.signal(signum, self._note)
+    return self
+
+  def _note(self, signum, frame) -> None:
+    del frame
+    self.signals.append(signum)
+
+  def __exit__(self, exc_type, *exc) -> None:
+    for signum, handler in self._displaced.items():
+      # None: a handler not set from Python; the default is the closest.
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    if exc_type is None and self.signals and self.signals[0] in self._displaced:
+      signal.raise_signal(self.signals[0])   # runs the displaced handler right here
+
+
+def _stop_stages(running: list[tuple], stop: _Stop | None) -> None:
+  """Ends the stages ``running`` (``(process, log, started)`` each) with
+  SIGTERM and waits for them; a signal that arrives meanwhile (a second
+  Ctrl-C) kills them instead. Closes their logs."""
+  procs = [proc for proc, _, _ in running]
+  for proc in procs:
+    proc.terminate()          # a no-op for a process already reaped
+  noted = len(stop.signals) if stop is not None else 0
+  while any(proc.poll() is None for proc in procs):
+    if stop is not None and len(stop.signals) > noted:
+      noted = len(stop.signals)
+      for proc in procs:
+        proc.kill()           # likewise
+    time.sleep(0.05)
+  for _, log, _ in running:
+    log.close()
+
+
+def _die_with_runner() -> None:
+  """In a stage started by ``Runner._spawn``: asks Linux to send this process
+  SIGTERM when its runner ends, however it ends (SIGKILL, the OOM killer),
+  and ends at once if the runner is already gone. The runner stops its
+  stages itself when it can (``_Stop``); this is the net for when it
+  cannot. Elsewhere (not Linux, not started by a runner) a no-op."""
+  runner_pid = os.environ.pop(RUNNER_PID_ENV, None)
+  if runner_pid is None or not sys.platform.startswith("linux"):
+    return
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    logging.warning("prctl(PR_SET_PDEATHSIG) failed (%s): this stage outlives a runner "
+                    "that is killed", os.strerror(ctypes.get_errno()))
+    return
+  # Checked after the prctl: a runner gone before it sends no signal, and
+  # this process was then handed to another parent.
+  if os.getppid() != int(runner_pid):
+    raise SystemExit(f"error: the study runner (pid {runner_pid}) that started this stage "
+                     f"is gone; rerun the study to run it")
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
