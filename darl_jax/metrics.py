@@ -174,15 +174,27 @@ class MetricWriter:
       logdir.mkdir(parents=True, exist_ok=True)
       self._tb = _make_tensorboard_backend(str(logdir))
 
-  def start(self, step: int | None, config_dict: Mapping[str, Any] | None = None) -> None:
+  def start(self, step: int | None, config_dict: Mapping[str, Any] | None = None, *,
+            finished: bool = False) -> None:
     """Begins writing for a run that (re)starts after ``step``: drops the
     records of later steps from metrics.jsonl (a killed run's steps past its
     last checkpoint, which this run logs again; None drops every record),
-    writes ``config.json`` (if given) and opens the writers."""
+    writes ``config.json`` (if given) and opens the writers.
+
+    ``finished``: the run was already complete at ``step`` (a rerun of a
+    finished run, which trains nothing): metrics.jsonl, config.json and the
+    TensorBoard events stay as they are, and every later write is dropped,
+    so the trainer's closing pictures and reports (``finalize``) go to their
+    own files only instead of logging the same step a second time."""
     if not self._enabled:
       return
     if self._file is not None:
       raise RuntimeError("MetricWriter.start must come before the first write")
+    if finished:
+      logging.info("the run was finished at step %s: metrics.jsonl, config.json and the "
+                   "TensorBoard events are left as they are", step)
+      self._enabled = False
+      return
     drop_records_after(self._workdir, step)
     self._open()
     if config_dict is not None:

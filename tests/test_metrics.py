@@ -96,6 +96,73 @@ def test_non_main_process_writes_nothing(tmp_path):
   assert not workdir.exists()
 
 
+class _EventsFile:
+  """A TensorBoard backend that writes one file per writer opened, as real
+  ones start a new events file: how many opened shows in the folder."""
+
+  name = "events-file"
+
+  def __init__(self, logdir):
+    self._path = pathlib.Path(logdir) / f"events.{len(list(pathlib.Path(logdir).iterdir()))}"
+    self._path.write_text("")
+
+  def _append(self, line):
+    with self._path.open("a") as f:
+      f.write(line + "\n")
+
+  def scalars(self, step, scalars):
+    self._append(f"scalars {step}")
+
+  def images(self, step, images):
+    self._append(f"images {step} {sorted(images)}")
+
+  def text(self, step, tag, text):
+    self._append(f"text {step} {tag}")
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+def test_a_finished_run_rerun_only_rewrites_its_prediction_picture(tmp_path, monkeypatch):
+  from darl_jax.train import loop
+  from darl_jax.train import pretrain
+  import tiny_config  # pylint: disable=g-import-not-at-top  # tests/, on pytest's path
+  monkeypatch.setattr(metrics, "_make_tensorboard_backend", _EventsFile)
+  config = tiny_config.get_config("steps=2")
+  config.update(tensorboard=True, eval_every_steps=2, checkpoint_every_steps=2)
+  workdir = tmp_path / "run"
+
+  def files():
+    return {str(p.relative_to(workdir)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in workdir.rglob("*") if p.is_file()}
+
+  loop.run(pretrain.PretrainTrainer(config), config, str(workdir))
+  first = files()
+  assert {"config.json", "metrics.jsonl", "predictions.png", "tensorboard/events.0"} <= set(first)
+  assert "images 2 ['predictions']" in (workdir / "tensorboard" / "events.0").read_text()
+  # The rerun resumes at step 2 = total_steps: nothing to train.
+  loop.run(pretrain.PretrainTrainer(config), config, str(workdir))
+  again = files()
+  assert sorted(set(first) | set(again)) == sorted(first)      # no file added or removed
+  assert [k for k in first if again[k] != first[k]] == ["predictions.png"]
+  assert again["predictions.png"][0] > first["predictions.png"][0]
+  assert [r["step"] for r in read_metrics(str(workdir))] == [1, 2]   # logged once each
+
+
+def test_a_finished_writer_writes_nothing(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+  writer = MetricWriter(str(tmp_path), tensorboard=True)
+  writer.start(1, {"a": 1}, finished=True)
+  writer.write_scalars(1, {"loss": 2.0})
+  writer.write_images(1, {"x": np.zeros((1, 4, 4, 1), np.uint8)})
+  writer.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
 def _clu_importable():
   try:
     importlib.import_module("clu.metric_writers")

@@ -757,9 +757,11 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   # Every resume check passed: from here on the run writes into the workdir.
   # Surplus checkpoints (a kill between a commit and Orbax's keep-N clean-up)
   # go now, records a killed run logged past this step leave metrics.jsonl
-  # (this run logs them again), and config.json gets this run's config.
+  # (this run logs them again), and config.json gets this run's config;
+  # a rerun of a finished run leaves all three as they are (finalize then
+  # only rewrites its pictures and reports).
   ckpt.prune(config.keep_checkpoints)
-  writer.start(start_step, config.to_dict())
+  writer.start(start_step, config.to_dict(), finished=start_step >= total_steps)
   # The log window the checkpoint cut in two: its first part, so that the
   # first log after a resume averages the same steps as without the kill.
   log_carry = resume_meta.get("log_window")
