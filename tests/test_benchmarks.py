@@ -91,13 +91,13 @@ def test_input_pipeline_benchmark_sizes_hosts():
   assert "| 1 |" in out and "| x | 100 |" in out
 
 
-def test_block_bench_and_profile_step_run():
+def test_block_bench_and_profile_step_run(tmp_path):
   out = run("block_bench.py", "--variant=mu/16", "--batch=2", "--reps=1",
             "--only=copy,colsum,gelu,block")
   assert "| block fwd+bwd |" in out and "| gelu fwd+bwd [N,F] (model) |" in out
-  out = run("profile_step.py", "--case=mu/16:mse:2", "--steps=1",
-            f"--out={ROOT / 'benchmarks' / '.profile_smoke'}")
+  out = run("profile_step.py", "--case=mu/16:mse:2", "--steps=1", f"--out={tmp_path / 'profile'}")
   assert "no GPU kernels" in out and "step.hlo.txt written" in out
+  assert (tmp_path / "profile" / "step.hlo.txt").stat().st_size > 0
 
 
 def test_profile_step_finds_where_the_gpu_waits(tmp_path):
