@@ -73,8 +73,10 @@ def assert_same_records(got: list[dict], want: list[dict]):
 
 
 @pytest.fixture
-def signals_restored():
-  """Leaves this process's handlers as they were (the loop must, too)."""
+def signals_restored(monkeypatch):
+  """Leaves this process's handlers as they were (the loop must, too), and
+  interrupts as if the CLI had not installed its handlers."""
+  monkeypatch.setattr(interrupts, "_installed", False)
   before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
   yield before
   for s, handler in before.items():
