@@ -57,10 +57,11 @@ def data(tmp_path_factory):
   root = tmp_path_factory.mktemp("elastic")
   image_folder(root / "folder", 0)
   out = {"folder": {"name": "image_folder", "path": str(root / "folder")}}
-  for fmt, name in (("tar", "webdataset"), ("parquet", "parquet")):
+  for fmt, name, ext in (("tar", "webdataset", "tar"), ("parquet", "parquet", "parquet"),
+                        ("arrayrecord", "arrayrecord", "array_record")):
     convert.convert(str(root / "folder"), str(root / fmt), fmt, shard_size=SHARD)
-    out[fmt] = {"name": name, "path": f"{root}/{fmt}/train-*.{fmt}",
-                "eval_path": f"{root}/{fmt}/validation-*.{fmt}",
+    out[fmt] = {"name": name, "path": f"{root}/{fmt}/train-*.{ext}",
+                "eval_path": f"{root}/{fmt}/validation-*.{ext}",
                 "index_cache_dir": str(root / "index")}
   convert.convert(str(image_folder(root / "mix_parquet", 64)), str(root / "mix_parquet_files"),
                   "parquet", shard_size=SHARD)
@@ -101,7 +102,7 @@ def test_stream_rows_tile_the_global_batch():
     base.stream_rows(0, 8, 0, 1, 3)
 
 
-@pytest.mark.parametrize("fmt", ["tar", "parquet", "mixture"])
+@pytest.mark.parametrize("fmt", ["tar", "parquet", "arrayrecord", "mixture"])
 def test_the_global_batch_of_two_streams_on_any_process_count(data, fmt, monkeypatch):
   """A run started on 2 processes (2 streams) read by 1, 2 and 4 processes:
   the same global batches; each stream's epoch has every example once."""
@@ -397,14 +398,16 @@ def test_two_processes_resumed_with_one_and_with_four(data, tmp_path):
   and Parquet files (2 streams) beside a shared image folder, in one mixture
   of the three (one set of runs for the three kinds of source: each run
   here is several processes); stopped after step 2, resumed by 1 process of
-  2 devices and by 4 processes of one device: the same global batches."""
+  2 devices (with a data worker) and by 4 processes of one device: the
+  same global batches."""
   mixture = data["mixture"]
   straight, stopped = wait(
       start_cli(tmp_path / "straight", mixture, processes=2, devices=1),
       start_cli(tmp_path / "run", mixture, processes=2, devices=1, stop=2))
   for processes in (1, 4):
     shutil.copytree(tmp_path / "run", tmp_path / f"with{processes}")
-  resumed = wait(start_cli(tmp_path / "with1", mixture, processes=1, devices=2),
+  # With a data worker: the streams' sources built here travel to it.
+  resumed = wait(start_cli(tmp_path / "with1", mixture, processes=1, devices=2, workers=1),
                  start_cli(tmp_path / "with4", mixture, processes=4, devices=1))
   for out in resumed:
     check_resumed(straight, stopped, out, stop=2, whole_epoch=False, rtol=1e-5)
