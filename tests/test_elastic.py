@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
@@ -162,6 +163,29 @@ def test_one_stream_stays_one_and_a_stream_count_needs_owned_files(data, monkeyp
     folder.train_iterator(BATCH, state={"next_step": 0, "streams": 4})
   with pytest.raises(ValueError, match="streams must be a positive integer"):
     folder.train_iterator(BATCH, state={"next_step": 0, "streams": 0})
+
+
+def test_a_stream_built_alone_is_what_the_split_is(tmp_path, monkeypatch):
+  """Shards 1 and 3 all labeled, shard 4 without labels: the split is
+  unlabeled, and so is stream 1 of 2 built by a process alone (files 1, 3)."""
+  import image_files  # pylint: disable=g-import-not-at-top
+  image_files.class_folder(tmp_path / "folder", (("train", 8),), shape=(8, 8), exts=("png",))
+  convert.convert(str(tmp_path / "folder"), str(tmp_path / "tar"), "tar", shard_size=4)
+  unlabeled = tmp_path / "tar" / "train-000004.tar"
+  with tarfile.open(unlabeled, "w") as tar:
+    tar.add(str(next((tmp_path / "folder" / "train" / "cat").glob("*.png"))), "x/0.png")
+  config = {"name": "webdataset", "path": str(tmp_path / "tar" / "train-*.tar"),
+            "eval_path": str(unlabeled), "image_size": 8, "channels": 3}
+  as_process(monkeypatch, 0, 2)
+  # (examples, unlabeled, classes) of each process: 0's files hold the unlabeled one.
+  counts = np.asarray([[9, 1, 2], [8, 0, 2]], np.int64)
+  monkeypatch.setattr(encoded, "gather_ints", lambda values, n: counts)
+  source = build_source(config, split="train", seed=0)
+  assert source.owner == (0, 2) and source.num_classes == 0
+  other = source.stream_source(1, 2)
+  assert other.owner == (1, 2) and other.size == 8
+  assert other.num_classes == 0 and not other.labels.any()
+  assert other.num_examples == source.num_examples
 
 
 class _Sequential(base.DataSource):

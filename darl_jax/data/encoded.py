@@ -194,8 +194,8 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
   this process's own files (when ``owner``), labels (``labels`` int, -1 where
   an example has none: a split with any such is unlabeled, with one warning
   when only some are), and the log line. ``gather=False``: the files of one
-  stream built by one process alone (indexed.py), no collective; its labels
-  were judged when the run started."""
+  stream built by one process alone (indexed.py), no collective: the split's
+  size and labeledness are the source's that asks for it."""
   # With owned files an empty listing is found by every process at once,
   # after the gather below (one process raising alone would leave the others
   # waiting in it).
@@ -224,11 +224,15 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
     warn_once(("partial labels", pattern), "%d of the %d %ss of %s have no label: the "
               "split is read as unlabeled", missing, total, what, pattern)
   labels = raw.astype(np.int32) if has_labels else np.zeros(len(raw), np.int32)
+  if owner is not None and not gather:   # one stream's files, built by this process alone
+    logging.info("%s %s (%s), stream %d of %d: %d %ss in its %d of the %d file(s)%s", kind,
+                 pattern, split, owner[0], owner[1], total, what,
+                 len(range(owner[0], num_files, owner[1])), num_files,
+                 "" if has_labels else ", unlabeled")
+    return Selection(rows, labels, num_classes_of(config, found, has_labels), owner, None)
   mine = "" if owner is None else (
       f"; this process reads its own {len(range(owner[0], num_files, owner[1]))} file(s) "
-      f"(process {owner[0]} of {owner[1]}), {len(rows)} {what}s" if gather else
-      f"; stream {owner[0]} of {owner[1]}: {len(range(owner[0], num_files, owner[1]))} "
-      f"file(s), {len(rows)} {what}s")
+      f"(process {owner[0]} of {owner[1]}), {len(rows)} {what}s")
   logging.info("%s %s (%s): %d %ss in %d file(s)%s%s", kind, pattern, split, total, what,
                num_files, "" if has_labels else ", unlabeled", mine)
   return Selection(rows, labels, num_classes_of(config, found, has_labels), owner, counts)

@@ -145,7 +145,12 @@ class IndexedSource(DataSource):
     if self.regroup is None:
       return super().stream_source(stream, streams)
     source = self.regroup((int(stream), int(streams)))
-    source.num_examples = self.num_examples
+    # What the whole split is, as judged when it was built over all files:
+    # its size, and whether it is labeled (a stream whose own files all have
+    # labels, of a split where some have none, is read unlabeled too).
+    source.num_examples, source.num_classes = self.num_examples, self.num_classes
+    if not self.num_classes:
+      source.labels = np.zeros_like(source.labels)
     return source
 
   def use_streams(self, streams: int, batch_size: int, process_index: int,
