@@ -64,7 +64,8 @@ def stage(kind: str, config: str, *override_dicts: dict, parent: Stage | None = 
 # - keys that say how a stage runs, not what it computes (the data workers
 #   give the same batches, tests/test_pipeline.py; the kernels compute the
 #   same functions; model.attention_impl was their choice before
-#   config.kernels);
+#   config.kernels; the preemption signal and deadline say how a run is
+#   stopped and checkpointed);
 # - config keys added after stage results were recorded, at the value that
 #   reproduces the code before them (any other value is part of the id).
 # So adding a config key or a speed option does not re-key, and rerun, every
@@ -72,7 +73,8 @@ def stage(kind: str, config: str, *override_dicts: dict, parent: Stage | None = 
 # add it to KEYS_ADDED. A code change that does change results (a bug fix)
 # needs its stage files deleted by hand.
 HOW_KEYS = ("compilation_cache_dir", "data.num_workers", "tensorboard", "kernels",
-            "model.attention_impl", "device_memory_gib", "profile")
+            "model.attention_impl", "device_memory_gib", "profile", "preemption_signal",
+            "preemption_deadline_s")
 KEYS_ADDED = {
     "microbatch_size": 0,
     # The sharded and mixed data sources (data/webdataset.py, parquet.py,
@@ -96,6 +98,9 @@ KEYS_ADDED = {
     "probe.weight_decays": [],
     "probe.holdout_size": -1,
     "probe.poolings": ["mean"],
+    # The padded classifier head (train/finetune.py, VTAB's shared steps):
+    # 0 = the data's class count, as before.
+    "head.num_classes": 0,
 }
 
 

@@ -329,7 +329,10 @@ def run(config, workdir: str) -> dict:
     ctx = loop.Context(config, workdir, mesh, train_source, eval_source, writer, 0)
     params = finetune.restore_backbone(ctx, config, params)
     writer.start(None, config.to_dict())
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    # Replicated: a frozen forward pass keeps no optimizer state, and ViT-H/14's
+    # 632M float32 parameters are 2.5 GB. (Through the host, so that a random
+    # backbone's arrays, made on one device, reach every process's devices.)
+    params = jax.device_put(jax.device_get(params), NamedSharding(mesh, P()))
     feats = jax.jit(features_fn(model, heads))
     batch = config.eval_batch_size or config.batch_size
     rows = sharding_lib.batch_sharding(mesh)
