@@ -3,8 +3,8 @@
 Tests write nothing outside their temporary folders. The run gets one
 temporary folder (removed at its end) that holds HOME, so that whatever
 defaults to a path under ``~`` (the compilation cache and shard indexes
-under ~/.cache/darl_jax, matplotlib's font cache) lands there, in
-subprocesses too, which inherit the environment. At the end the run fails
+under ~/.cache/darl_jax, matplotlib's font cache) lands there, and the
+subprocesses' TMPDIR; subprocesses inherit both through the environment. At the end the run fails
 if it left files in the user's ~/.cache/darl_jax or new git-ignored output
 (a workdir, a benchmark's folder) in the repository
 (``pytest_sessionfinish``).
@@ -35,6 +35,11 @@ _RUN_DIR = pathlib.Path(os.environ[_RUN_DIR_ENV])
 _REAL_HOME = pathlib.Path(os.environ["DARL_TEST_REAL_HOME"])
 os.environ["HOME"] = str(_RUN_DIR / "home")
 os.makedirs(os.environ["HOME"], exist_ok=True)
+# Subprocesses' temporary files too (an error's traceback file, a benchmark's
+# scratch folder). This process keeps the folder it already uses, where
+# pytest puts tmp_path (the workers get theirs from it).
+os.environ["TMPDIR"] = str(_RUN_DIR / "tmp")
+os.makedirs(os.environ["TMPDIR"], exist_ok=True)
 os.environ.pop("XDG_CACHE_HOME", None)          # caches follow HOME
 os.environ.pop("MPLCONFIGDIR", None)
 _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_RUN_DIR / "jax_cache"))
