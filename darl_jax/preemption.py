@@ -89,7 +89,7 @@ class Agreement:
     self._margin = int(margin)
     self._dir = prefix.rstrip("/") + "/"
     self._key = self._dir + "stop"
-    self._barrier = prefix.rstrip("/") + "_end"
+    self._name = prefix.rstrip("/")
     self._barrier_ms = int(barrier_timeout_s * 1000)
 
   @classmethod
@@ -133,13 +133,20 @@ class Agreement:
       agreed = self._propose(step + self._margin)
     return agreed
 
+  def saved(self, timeout_s: float) -> None:
+    """Returns once every process's save of the stop step has returned, so
+    that none exits before process 0 committed it: a launcher that ends the
+    job when its first process exits (srun --kill-on-bad-exit) would
+    otherwise cut the commit short."""
+    self._client.wait_at_barrier(f"{self._name}_saved", max(1, int(timeout_s * 1000)))
+
   def at_end(self, noticed: bool) -> bool:
     """After the last step: whether any process had a notice, the same
     answer on every process (a notice proposed before a barrier that all
     pass, read after it)."""
     if noticed and self._read() is None:
       self._propose(-1)
-    self._client.wait_at_barrier(self._barrier, self._barrier_ms)
+    self._client.wait_at_barrier(f"{self._name}_end", self._barrier_ms)
     return self._read() is not None
 
 
@@ -265,6 +272,9 @@ class Preemption:
     """The stop step's save has started: waits for its commit (``wait``)
     and raises Terminated with the line the CLI prints."""
     wait()
+    if self._agreement is not None:
+      left = self.deadline_s - (time.monotonic() - (self._since or time.monotonic()))
+      self._agreement.saved(left)
     took = time.monotonic() - self._since if self._since is not None else 0.0
     logging.warning("preemption: the checkpoint of step %d is committed, %.1f s after the "
                     "notice", step, took)

@@ -72,6 +72,27 @@ def main_command(config: str, workdir: str, passthrough: Sequence[str],
   return [python, "-m", "darl_jax.main", *main_args(config, workdir, passthrough)]
 
 
+# darl_jax/preemption.EXIT_STATUS (the launchers import nothing of the
+# package, so that --dry_run needs nothing installed): the training
+# processes stopped at a preemption notice (SIGTERM, or the preemption
+# signal) with the checkpoint of the stop step saved; rerunning resumes.
+PREEMPTED = 143
+
+
+def rerun_while_preempted(command: str, restarts: int) -> str:
+  """A bash line that runs ``command`` and reruns it (at most ``restarts``
+  times) while it exits with PREEMPTED; the last exit status is its own.
+  ``restarts=0``: ``command`` as it is."""
+  if restarts < 0:
+    raise SystemExit("error: --max_restarts must be >= 0")
+  if restarts == 0:
+    return command
+  return (f"for attempt in $(seq 0 {restarts}); do {command}; status=$?; "
+          f"[ $status -eq {PREEMPTED} ] || break; "
+          f"echo \"preempted (exit {PREEMPTED}): rerunning, which resumes from the last "
+          f"checkpoint\"; done; exit $status")
+
+
 def env_prefix(env: dict[str, str]) -> str:
   """``A=1 B=2 `` for a shell command line."""
   return "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())

@@ -16,6 +16,15 @@ Steps (``--steps``, in this order; ``--create`` adds the first):
   host at once with ``DARL_DISTRIBUTED=on``; JAX reads the slice's hosts and
   this host's index from the TPU metadata server, so there is nothing to pass.
   ``--detach`` leaves it running under ``nohup`` (log in ``~/darl_jax_run.log``).
+  A run that stops at a preemption notice (SIGTERM: exit status 143, with
+  the checkpoint of the stop step saved, darl_jax/preemption.py) is rerun
+  on the same hosts, up to ``--max_restarts`` times; it resumes there.
+
+Spot and preemptible TPU VMs (``--spot``) that Google Cloud takes back give
+the processes SIGTERM about 30 s ahead, in which they save; the VM itself is
+then gone (state PREEMPTED) and the rerun loop with it: delete it and run
+the launcher again with ``--create`` (or ``--steps=create,copy,setup,run``),
+and the run resumes from that checkpoint.
 
 The workdir must be on GCS: each host writes its checkpoint shards there and
 process 0 the metrics. ``--dry_run`` prints the commands and runs nothing.
@@ -58,7 +67,9 @@ def add_tpu_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--zone", help="GCP zone of the TPU, e.g. us-east5-a")
   parser.add_argument("--project", default=None, help="GCP project (default: gcloud's)")
   parser.add_argument("--create", action="store_true", help="create the TPU VM first")
-  parser.add_argument("--spot", action="store_true", help="create it as a Spot VM")
+  parser.add_argument("--spot", action="store_true",
+                      help="Spot capacity: a Spot TPU VM (with --create), Vertex's Spot VMs "
+                           "(launch/xm_launch.py)")
   parser.add_argument("--runtime_version", default=None,
                       help="TPU software version (default: by generation)")
   parser.add_argument("--remote_dir", default="darl_jax",
@@ -67,6 +78,10 @@ def add_tpu_flags(parser: argparse.ArgumentParser) -> None:
                       help="what `pip install` gets on the workers")
   parser.add_argument("--detach", action="store_true",
                       help="leave the run going under nohup instead of waiting for it")
+  parser.add_argument("--max_restarts", type=int, default=3,
+                      help=f"rerun the training command this often while it exits "
+                           f"{common.PREEMPTED} (stopped at a preemption notice, "
+                           "checkpointed); 0: never")
 
 
 def _gcloud(args, verb: str, *rest: str) -> list[str]:
@@ -110,8 +125,10 @@ def commands(args, passthrough: list[str], steps=None) -> list[list[str]]:
     workdir = common.check_workdir(args.workdir, shared="gcs")
     train = common.env_prefix(common.DISTRIBUTED_ENV) + shlex.join(
         common.main_command(config, workdir, passthrough))
+    train = common.rerun_while_preempted(train, args.max_restarts)
     if args.detach:
-      train = f"nohup env {train} > ~/darl_jax_run.log 2>&1 &"
+      # bash -c: nohup runs one program, and the rerun loop is a shell's.
+      train = f"nohup bash -c {shlex.quote(train)} > ~/darl_jax_run.log 2>&1 &"
     out.append(_ssh(args, f"cd {home} && {train}"))
   return out
 

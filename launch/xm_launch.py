@@ -28,6 +28,14 @@ Where each platform goes, and why:
   through ``launch/tpu_vm.py`` (gcloud ``tpu-vm ssh --worker=all``) with the
   same config, workdir and overrides, and this script says so.
 
+Preemption: a Vertex AI job is submitted with ``restart_job_on_worker_restart``
+(a worker that Vertex restarts, after a preemption or a host's maintenance,
+restarts every replica, and the run resumes from its checkpoint; the
+training processes save the step they stop at when SIGTERM comes,
+darl_jax/preemption.py), and with ``--spot`` on Vertex's Spot VMs
+(``scheduling_strategy=SPOT``). XManager's Vertex client sets neither, so
+``vertex_submit_options`` adds them to its ``CustomJob.submit`` call.
+
 The workdir must be on GCS. Arguments after ``--`` are passed to
 ``darl_jax.main`` unchanged. ``--dry_run`` prints what would be built and
 started and needs no XManager; ``xmanager`` (``pip install -c constraints.txt
@@ -112,6 +120,7 @@ class VertexPlan:
   base_image: str
   docker_instructions: list
   jobs: list
+  spot: bool = False     # Vertex's Spot VMs (preemptible) instead of on-demand ones
 
 
 def gpu_host(topology: str) -> VertexHost:
@@ -152,7 +161,8 @@ def vertex_plan(args, passthrough: list[str]) -> VertexPlan:
   name = args.config.split(':')[0].rsplit('/', 1)[-1].removesuffix('.py')
   title = args.experiment_title or f"darl {name}"
   return VertexPlan(title, args.base_image,
-                    docker_instructions(args.platform, args.extras, args.cuda), jobs)
+                    docker_instructions(args.platform, args.extras, args.cuda), jobs,
+                    spot=bool(args.spot))
 
 
 def requirements_kwargs(job: Job) -> dict:
@@ -170,6 +180,8 @@ def describe(plan: VertexPlan) -> str:
     res = ", ".join(f"{k}={v}" for k, v in requirements_kwargs(job).items())
     lines.append(f"job {job.name}: {job.replicas} replica(s), xm.JobRequirements({res}), "
                  f"machine {job.host.machine_type}")
+  lines.append("scheduling: " + ", ".join(f"{k}={v}" for k, v in
+                                          submit_options(plan, names_only=True).items()))
   job = plan.jobs[0]
   lines.append("every replica runs: " + common.env_prefix(job.env)
                + shlex.join(["python", "-m", "darl_jax.main", *job.args]))
@@ -235,6 +247,41 @@ def vertex_machine_spec(job, *, xmanager_spec) -> dict:
   return spec
 
 
+def submit_options(plan: VertexPlan, *, names_only: bool = False) -> dict:
+  """What ``aiplatform.CustomJob.submit`` gets beside XManager's arguments:
+  every replica restarts when Vertex restarts one (a preempted or repaired
+  worker; the run resumes from its checkpoint), and with ``plan.spot`` Spot
+  VMs. ``names_only``: the strategy as its name (no aiplatform import), as
+  --dry_run prints it."""
+  options = {"restart_job_on_worker_restart": True}
+  if plan.spot:
+    if names_only:
+      options["scheduling_strategy"] = "SPOT"
+    else:
+      from google.cloud.aiplatform_v1.types import custom_job  # pylint: disable=g-import-not-at-top
+      options["scheduling_strategy"] = custom_job.Scheduling.Strategy.SPOT
+  return options
+
+
+@contextlib.contextmanager
+def vertex_submit_options(plan: VertexPlan):
+  """Adds ``submit_options(plan)`` to the ``CustomJob.submit`` call of
+  XManager's Vertex client while it is open."""
+  from xmanager.cloud import vertex  # pylint: disable=g-import-not-at-top
+  job_class = vertex.aiplatform.CustomJob
+  original = job_class.submit
+  extra = submit_options(plan)
+
+  def submit(self, **kwargs):
+    return original(self, **{**kwargs, **extra})
+
+  job_class.submit = submit
+  try:
+    yield
+  finally:
+    job_class.submit = original
+
+
 @contextlib.contextmanager
 def vertex_machine_types():
   """Makes XManager's Vertex client use vertex_machine_spec while it is open."""
@@ -255,7 +302,7 @@ def launch_vertex(plan: VertexPlan) -> None:
   if not flags.FLAGS.is_parsed():
     flags.FLAGS(sys.argv[:1])
   with tempfile.TemporaryDirectory() as staging, vertex_machine_types(), \
-      xm_local.create_experiment(experiment_title=plan.title) as experiment:
+      vertex_submit_options(plan), xm_local.create_experiment(experiment_title=plan.title) as experiment:
     [executable] = experiment.package([packageable(plan, stage_source(staging))])
     experiment.add(job_group(plan, executable))
   print(f"launched XManager experiment {plan.title!r}")

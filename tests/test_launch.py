@@ -13,8 +13,10 @@ import os
 import pathlib
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,9 +61,10 @@ def test_xm_tpu_slice_goes_through_the_tpu_vm_launcher(capsys):
   cmd = shlex.split(train[2:])
   assert cmd[:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "darl-v5p", "--worker=all"]
   remote = cmd[7].removeprefix("--command=")
-  assert remote == ("cd ~/darl_jax && DARL_DISTRIBUTED=on python3 -m darl_jax.main "
-                    f"--config=experiments/vit_l16_diff.py --workdir={GCS} "
-                    "--config.total_steps=10")
+  assert remote.startswith(
+      "cd ~/darl_jax && for attempt in $(seq 0 3); do DARL_DISTRIBUTED=on python3 -m "
+      f"darl_jax.main --config=experiments/vit_l16_diff.py --workdir={GCS} "
+      "--config.total_steps=10; status=$?; [ $status -eq 143 ] || break;")
   assert "xmanager" not in sys.modules
 
 
@@ -244,9 +247,10 @@ def test_xm_objects_build_and_vertex_gets_the_dry_runs_jobs(xmanager, vertex_sub
     assert requirements.task_requirements[requirements.accelerator] == planned.host.count
 
   # What XManager's Vertex client submits: one worker pool per job.
-  with xm_launch.vertex_machine_types():
+  with xm_launch.vertex_machine_types(), xm_launch.vertex_submit_options(plan):
     vertex.launch("darl", "1", group)
   assert vertex.get_machine_spec.__module__ == vertex.__name__   # restored
+  assert vertex.aiplatform.CustomJob.submit.__qualname__.endswith("CustomJob.submit")
   [custom_job] = vertex_submissions
   pools = custom_job["worker_pool_specs"]
   assert len(pools) == len(plan.jobs)
@@ -258,9 +262,31 @@ def test_xm_objects_build_and_vertex_gets_the_dry_runs_jobs(xmanager, vertex_sub
     assert list(pool.container_spec.args) == planned.args
     env = {e.name: e.value for e in pool.container_spec.env}
     assert env == ({"DARL_DISTRIBUTED": "on"} if hosts > 1 else {})
+  # A preempted or repaired worker restarts the whole job, which resumes.
+  assert custom_job["submit"]["restart_job_on_worker_restart"] is True
+  assert "scheduling_strategy" not in custom_job["submit"]
   # Vertex AI cannot run TPUs with a custom service account (xmanager drops it).
   assert custom_job["submit"]["service_account"] == (
       None if platform == "tpu" else "xm@p.iam.gserviceaccount.com")
+
+
+@pytest.mark.usefixtures("no_network")
+def test_xm_spot_asks_vertex_for_spot_vms(xmanager, vertex_submissions, capsys):
+  xm, _, vertex, _, executables = xmanager
+  argv = launcher_argv("gpu", "h100-8", 2)
+  argv.insert(-2, "--spot")
+  xm_launch.main(argv)
+  assert lines_with(capsys.readouterr().out, "scheduling: restart_job_on_worker_restart=True, "
+                    "scheduling_strategy=SPOT")
+  plan = xm_launch.vertex_plan(*xm_launch.parse(argv))
+  image = executables.GoogleContainerRegistryImage(name="darl_jax",
+                                                   image_path="gcr.io/p/darl_jax:1")
+  with xm_launch.vertex_machine_types(), xm_launch.vertex_submit_options(plan):
+    vertex.launch("darl", "1", xm_launch.job_group(plan, image))
+  from google.cloud.aiplatform_v1.types import custom_job  # pylint: disable=g-import-not-at-top
+  [submitted] = vertex_submissions
+  assert submitted["submit"]["scheduling_strategy"] == custom_job.Scheduling.Strategy.SPOT
+  assert submitted["submit"]["restart_job_on_worker_restart"] is True
 
 
 def test_xmanager_alone_gives_machines_vertex_does_not_offer(xmanager):
@@ -333,9 +359,54 @@ def test_tpu_vm_dry_run_copies_installs_and_runs_on_every_worker(capsys):
   assert cmds[1][4] == "scp" and "--worker=all" in cmds[1] and "--project=p" in cmds[1]
   assert "pip install -q -c constraints.txt -e '.[tfds]' 'jax[tpu]'" in cmds[2][7]
   remote = cmds[3][7].removeprefix("--command=")
-  assert remote.startswith("cd ~/darl_jax && nohup env DARL_DISTRIBUTED=on python3 -m "
-                           "darl_jax.main --config=experiments/vit_b16_diff.py")
-  assert remote.endswith("--config.batch_size=1024 > ~/darl_jax_run.log 2>&1 &")
+  assert remote.startswith("cd ~/darl_jax && nohup bash -c ")
+  assert remote.endswith(" > ~/darl_jax_run.log 2>&1 &")
+  [loop] = shlex.split(remote.removeprefix("cd ~/darl_jax && nohup bash -c ").removesuffix(
+      " > ~/darl_jax_run.log 2>&1 &"))
+  assert ("DARL_DISTRIBUTED=on python3 -m darl_jax.main --config=experiments/vit_b16_diff.py "
+          f"--workdir={GCS} --config.batch_size=1024; status=$?") in loop
+
+
+def _run_remote(tmp_path, remote: str, statuses: list[int]) -> tuple[int, list[str]]:
+  """Runs a TPU VM's remote command in bash, in a home with ~/darl_jax, where
+  ``python3`` is a stand-in exiting with ``statuses`` in turn; returns the
+  exit status and the stand-in's calls (its arguments)."""
+  home = tmp_path / "home"
+  (home / "darl_jax").mkdir(parents=True)
+  calls = tmp_path / "calls"
+  table = " ".join(str(s) for s in statuses)
+  env = stand_in(tmp_path, "python3",
+                 f'echo "$*" >> {calls}; n=$(wc -l < {calls}); set -- {table}; '
+                 'shift $((n - 1)); exit $1')
+  proc = subprocess.run(["bash", "-c", remote], env={**env, "HOME": str(home)},
+                        capture_output=True, text=True, timeout=60)
+  return proc.returncode, calls.read_text().splitlines()
+
+
+@pytest.mark.parametrize("statuses,runs,status", [
+    ([143, 143, 0], 3, 0),        # preempted twice, then done
+    ([143, 143, 143, 143, 143], 4, 143),   # --max_restarts=3: four runs at most
+    ([1, 0], 1, 1),               # a failure is not rerun
+])
+def test_tpu_vm_reruns_the_training_while_it_stops_at_a_preemption(
+    capsys, tmp_path, statuses, runs, status):
+  out = run(tpu_vm, capsys, "--tpu_name=t1", "--zone=z", "--steps=run",
+            "--config=experiments/vit_b16_diff.py", f"--workdir={GCS}", "--dry_run")
+  [ssh] = [shlex.split(l[2:]) for l in out.splitlines() if l.startswith("+ ")]
+  got, calls = _run_remote(tmp_path, ssh[7].removeprefix("--command="), statuses)
+  assert (got, len(calls)) == (status, runs)
+  assert set(calls) == {"-m darl_jax.main --config=experiments/vit_b16_diff.py "
+                        f"--workdir={GCS}"}
+
+
+def test_tpu_vm_max_restarts_zero_is_the_plain_command(capsys):
+  out = run(tpu_vm, capsys, "--tpu_name=t1", "--zone=z", "--steps=run", "--max_restarts=0",
+            "--config=experiments/vit_b16_diff.py", f"--workdir={GCS}", "--dry_run")
+  assert "--command=cd ~/darl_jax && DARL_DISTRIBUTED=on python3 -m darl_jax.main " \
+         "--config=experiments/vit_b16_diff.py" in out and "seq" not in out
+  assert "--max_restarts must be >= 0" in fail(
+      tpu_vm, capsys, "--tpu_name=t1", "--zone=z", "--steps=run", "--max_restarts=-1",
+      "--config=experiments/vit_b16_diff.py", f"--workdir={GCS}", "--dry_run")
 
 
 def stand_in(tmp_path, tool: str, line: str) -> dict:
@@ -380,10 +451,11 @@ def test_slurm_one_process_per_gpu(capsys, tmp_path):
                "export DARL_DISTRIBUTED=on"):
     assert line in text.splitlines(), line
   assert "JAX_LOCAL_DEVICE_IDS" not in text    # JAX picks GPU $SLURM_LOCALID per task
-  assert text.rstrip().endswith(
-      "srun --kill-on-bad-exit=1 python3 -m darl_jax.main "
-      "--config=experiments/vit_l16_diff.py --workdir=/shared/l16 "
-      "--config.kernels.attention=cudnn")
+  assert ("srun --kill-on-bad-exit=1 python3 -m darl_jax.main "
+          "--config=experiments/vit_l16_diff.py --workdir=/shared/l16 "
+          "--config.kernels.attention=cudnn || status=$?") in text.splitlines()
+  for line in ("#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --open-mode=append"):
+    assert line in text.splitlines(), line
   assert lines_with(out, "+ sbatch", "darl.sbatch")
   (tmp_path / "job.sbatch").write_text(text)
   check = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True,
@@ -413,12 +485,67 @@ def test_slurm_submit_path_with_a_stand_in_sbatch(tmp_path):
   assert "srun --kill-on-bad-exit=1" in pathlib.Path(submitted).read_text()
 
 
+def _slurm_job(tmp_path, capsys, srun: str, *argv):
+  """The sbatch script in a real bash with stand-in ``srun`` (running the
+  shell line ``srun``) and ``scontrol`` (recording its arguments); returns
+  the bash process (started) and the file scontrol writes."""
+  text = _script(_slurm(capsys, *argv))
+  requeued = tmp_path / "scontrol_args"
+  env = stand_in(tmp_path, "srun", srun)
+  (tmp_path / "bin" / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {requeued}\n')
+  (tmp_path / "bin" / "scontrol").chmod(0o755)
+  (tmp_path / "job.sbatch").write_text(text.replace(f"cd {shlex.quote(str(ROOT))}", "cd ."))
+  proc = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path,
+                          env={**env, "SLURM_JOB_ID": "4242"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  return proc, requeued
+
+
+@pytest.mark.parametrize("srun_status,requeued", [(143, True), (0, False), (1, False)])
+def test_slurm_requeues_the_job_when_the_training_stops_at_a_preemption(
+    capsys, tmp_path, srun_status, requeued):
+  proc, args = _slurm_job(tmp_path, capsys, f"exit {srun_status}")
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == srun_status, out
+  assert (args.read_text().split() if args.exists() else []) == (
+      ["requeue", "4242"] if requeued else [])
+
+
+def test_slurm_batch_shell_outlives_sigterm_to_requeue(capsys, tmp_path):
+  """Slurm's SIGTERM reaches the batch shell too: it waits for the tasks
+  (here a stand-in srun that saves for a second, then exits 143) and
+  requeues."""
+  proc, args = _slurm_job(tmp_path, capsys, f"touch {tmp_path}/started; sleep 1; exit 143")
+  deadline = time.time() + 30
+  while not (tmp_path / "started").exists() and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 143 and "batch shell: SIGTERM" in out, out
+  assert args.read_text().split() == ["requeue", "4242"]
+
+
+def test_slurm_no_requeue_is_the_plain_job(capsys):
+  text = _script(_slurm(capsys, "--no-requeue"))
+  assert not [l for l in text.splitlines() if "requeue" in l or "--signal" in l or "trap" in l]
+  assert text.rstrip().splitlines()[-1].startswith("srun --kill-on-bad-exit=1 python3 -m")
+  assert "--notice_s must be a positive" in fail(
+      slurm, capsys, "--config=experiments/vit_l16_diff.py", "--workdir=/shared/l16",
+      "--notice_s=0", "--dry_run")
+
+
+def test_slurm_notice_seconds(capsys):
+  text = _script(_slurm(capsys, "--notice_s=300"))
+  assert "#SBATCH --signal=USR1@300" in text.splitlines()
+
+
 # ------------------------------------------ flag names, quoting, the docs' commands
 # Long options as sbatch(1) and `gcloud compute tpus tpu-vm create|ssh|scp`
 # document them; neither tool exists here, so the generated lines are
 # shell-parsed and checked against these names.
 SBATCH_OPTIONS = {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node",
-                  "--cpus-per-task", "--time", "--output", "--partition", "--account"}
+                  "--cpus-per-task", "--time", "--output", "--partition", "--account",
+                  "--requeue", "--signal", "--open-mode"}
 GCLOUD_TPU_VM_FLAGS = {
     "create": {"--accelerator-type", "--version", "--zone", "--project", "--spot"},
     "ssh": {"--worker", "--command", "--zone", "--project"},
@@ -439,8 +566,9 @@ def test_slurm_sbatch_lines_are_documented_options_and_quote_spaces(capsys, tmp_
   sbatch = [shlex.split(l.removeprefix("#SBATCH ")) for l in text.splitlines()
             if l.startswith("#SBATCH")]
   assert all(len(words) == 1 for words in sbatch), sbatch   # one option a line
-  options = dict(w[0].split("=", 1) for w in sbatch)
+  options = dict((w[0].split("=", 1) + [""])[:2] for w in sbatch)
   assert set(options) == SBATCH_OPTIONS
+  assert options["--signal"] == "USR1@90" and options["--requeue"] == ""
   assert options["--output"] == f"{tmp_path}/my logs/%x-%j.out"
   [submit] = lines_with(out, "+ sbatch")
   assert shlex.split(submit[2:]) == ["sbatch", f"{tmp_path}/my logs/l16.sbatch"]
@@ -460,6 +588,7 @@ def test_slurm_sbatch_lines_are_documented_options_and_quote_spaces(capsys, tmp_
 def test_tpu_vm_gcloud_lines_use_documented_flags_and_quote_spaces(capsys):
   out = run(tpu_vm, capsys, "--tpu_name=t1", "--zone=us-east5-a", "--project=p",
             "--topology=v5p-16", "--create", "--spot", "--remote_dir=my code",
+            "--max_restarts=0",
             "--config=experiments/vit_l16_diff.py", f"--workdir=gs://bucket/my runs",
             "--dry_run", "--", "--config.total_steps=10")
   cmds = [shlex.split(l[2:]) for l in out.splitlines() if l.startswith("+ ")]
