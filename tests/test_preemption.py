@@ -430,3 +430,27 @@ def test_two_processes_save_the_same_step_when_one_gets_the_signal(tmp_path):
   params, meta = checkpoint_lib.restore_params(str(wd))
   assert meta["step"] == stop and all(np.isfinite(np.asarray(x)).all()
                                       for x in jax.tree_util.tree_leaves(params))
+
+
+# ------------------------------------------------------------ the benchmark
+
+
+def test_checkpoint_save_benchmark_on_the_tiny_config(tmp_path):
+  """benchmarks/checkpoint_save_bench.py (the H/14 figure is measured on a
+  GPU) runs on the tiny config, with an EMA, and needs no TensorFlow."""
+  done = subprocess.run(
+      [sys.executable, "benchmarks/checkpoint_save_bench.py",
+       "--config=tests/tiny_config.py:objective=diffusion", "--repeats=2",
+       f"--workdir={tmp_path}", "--", "--config.model.width=32"],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = done.stdout
+  rows = [l.split("|")[1:-1] for l in out.splitlines() if l.startswith("| 1") or
+          l.startswith("| 2")]
+  assert [r[0].strip() for r in rows] == ["1 (first)", "2"], out
+  for row in rows:
+    state_gb, written_gb, returned, committed = (float(x) for x in row[1:5])
+    assert 0 < state_gb and 0 < written_gb and 0 <= returned <= committed, out
+  assert "(bad_step, ema, model_state, opt_state, params, step)" in out
+  assert "tensorflow imported: no" in out
+  assert steps_on_disk(tmp_path) == [1, 2]
