@@ -42,6 +42,18 @@ width ``D``, MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of
 The patch decoder (not rematerialised) adds ``depth * noise_samples`` blocks of
 its own width over 2 tokens for every patch (attention over 2 tokens is
 negligible). Per device the batch is ``batch_size / (data * fsdp)``.
+
+Other trainers (fine-tuning, probes) are estimated from their own parameter
+tree (``params=``) with the same block formula and no decoder. Parameters
+that ``optim.frozen`` freezes get no gradient or Adam moments, and a frozen
+backbone (a probe's, under ``stop_gradient``) keeps nothing for a backward
+pass: one block's activations per example, transient, instead.
+
+Gradient accumulation (``num_microbatches > 1``, ``batch_size`` then being
+the microbatch) adds what lives for the whole step: the float32 gradient
+sum (4 bytes per trained parameter) and the whole batch as the step
+prepares it before splitting (float32 images, and for diffusion one noise
+draw of the same size per ``noise_samples``); ``accumulation`` holds it.
 Ignored: embeddings, the final LayerNorm, the loss, XLA's temporaries and
 fragmentation, and the input pipeline.
 
@@ -78,9 +90,11 @@ class Estimate:
   activations: dict          # remat -> bytes
   per_device_batch: int
   ema: float = 0.0
+  accumulation: float = 0.0   # gradient sum and the prepared batch (module docstring)
 
   def state(self) -> float:
-    return self.params + self.grads + self.adam + self.ema + self.fsdp_buffer
+    return (self.params + self.grads + self.adam + self.ema + self.fsdp_buffer
+            + self.accumulation)
 
   def total(self, remat: str) -> float:
     return self.state() + self.activations[remat]
@@ -151,13 +165,16 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
 
 
 def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
-             params=None) -> Estimate:
+             params=None, num_microbatches: int = 1) -> Estimate:
   """Per-device memory of pretraining ``config`` on ``mesh`` with rules
-  ``sharding``. The attention's share follows ``config.kernels.attention``
+  ``sharding`` (another trainer's: pass its ``params``), ``batch_size``
+  examples at once, ``num_microbatches`` of them per step (module
+  docstring). The attention's share follows ``config.kernels.attention``
   as resolved on this backend (``ops.resolve``: ``auto`` is the Hopper
   kernels on an H100 in bfloat16, else counted as XLA's)."""
   import jax  # pylint: disable=g-import-not-at-top
   from darl_jax import ops  # pylint: disable=g-import-not-at-top
+  from darl_jax import optim  # pylint: disable=g-import-not-at-top
   from darl_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from darl_jax.models import vit as vit_lib  # pylint: disable=g-import-not-at-top
 
@@ -166,7 +183,16 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   specs = sharding_lib.tree_specs(params, mesh, rules)
   leaves = jax.tree_util.tree_leaves(params)
   numels = [int(np.prod(x.shape)) for x in leaves]
-  local = sum(n / _shards(s, mesh) for n, s in zip(numels, jax.tree_util.tree_leaves(specs)))
+  shares = [n / _shards(s, mesh) for n, s in zip(numels, jax.tree_util.tree_leaves(specs))]
+  local = sum(shares)
+  # What optim.frozen freezes has no gradient and no optimizer state.
+  labels = jax.tree_util.tree_leaves(
+      optim.frozen_labels(config.get("optim", {}), params)) if config.get("optim") else None
+  frozen_paths = [p for p, label in zip(
+      jax.tree_util.tree_leaves(optim.param_paths(params)), labels or ()) if label == "frozen"]
+  trained = local if labels is None else sum(
+      x for x, label in zip(shares, labels) if label == "train")
+  frozen_backbone = any(p.startswith("backbone/") for p in frozen_paths)
 
   batch_shards = mesh["data"] * mesh["fsdp"]
   if batch_size % batch_shards:
@@ -196,21 +222,32 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
       tokens=2, width=dec_width, mlp_dim=4 * dec_width, heads=dec_heads, remat="none",
       **kw)
 
+  one_block = block_activation_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim,
+                                     heads=heads, remat="none", **kw)
   activations = {}
   for remat in REMATS:
     per_example = depth * block_activation_bytes(
         tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw)
     if remat != "none":   # one block recomputed at a time in the backward pass
-      per_example += block_activation_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim,
-                                            heads=heads, remat="none", **kw)
+      per_example += one_block
+    if frozen_backbone:   # a forward pass only: one block's activations at a time
+      per_example = one_block
     activations[remat] = per_device * (per_example + decoder)
+
+  accumulation = 0.0
+  if num_microbatches > 1:
+    pixels = m.image_size * m.image_size * m.get("channels", 3)
+    draws = config.loss.get("noise_samples", 1) if config.get("loss", {}).get(
+        "kind") == "diffusion" else 0
+    accumulation = 4 * trained + 4 * pixels * (1 + draws) * per_device * num_microbatches
 
   block_params = 4 * width * width + 2 * width * mlp_dim + 9 * width + mlp_dim
   fsdp_buffer = 2 * 4 * block_params if mesh["fsdp"] > 1 else 0.0
   return Estimate(variant=m.variant, num_params=sum(numels), params=4 * local,
-                  grads=4 * local, adam=8 * local, fsdp_buffer=fsdp_buffer,
+                  grads=4 * trained, adam=8 * trained, fsdp_buffer=fsdp_buffer,
                   activations=activations, per_device_batch=per_device,
-                  ema=4 * local if config.get("ema_decay", 0.0) else 0.0)
+                  ema=4 * local if config.get("ema_decay", 0.0) else 0.0,
+                  accumulation=accumulation)
 
 
 def table(estimates: list[Estimate], device_gib: float | None = None) -> str:

@@ -45,6 +45,7 @@ def get_config(arg=None):
   c.init_from = args.init
   c.batch_size = 4096
   c.total_epochs = float(args.epochs)
+  c.microbatch_size = -1      # the largest microbatch that fits (train/aot.py)
   c.log_every_steps = 100
   c.checkpoint_every_steps = 2000
   c.eval_every_steps = 2000

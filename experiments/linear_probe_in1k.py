@@ -41,6 +41,7 @@ def get_config(arg=None):
   c.init_from = args.init
   c.batch_size = 16384
   c.total_epochs = 90.0
+  c.microbatch_size = -1      # the largest microbatch that fits (train/aot.py)
   c.log_every_steps = 50
   c.checkpoint_every_steps = 1000
   c.eval_every_steps = 1000

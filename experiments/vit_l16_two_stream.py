@@ -29,4 +29,7 @@ def get_config(arg=None):
   c.total_epochs = args.epochs
   c.model.two_stream = True
   c.model.ordering = args.order
+  # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
+  # from memory.py's estimate before anything compiles (train/aot.py).
+  c.microbatch_size = -1
   return c

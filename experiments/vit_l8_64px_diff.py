@@ -32,4 +32,7 @@ def get_config(arg=None):
   c.decoder.update(kind="transformer", depth=8, gamma_conditioning=True)
   c.loss.update(kind="diffusion", noise_a=1.0, noise_b=1.0, predict="x0")
   c.predictions.num_steps = 100
+  # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
+  # from memory.py's estimate before anything compiles (train/aot.py).
+  c.microbatch_size = -1
   return c

@@ -1,7 +1,13 @@
-"""Compiled train steps saved and loaded by key (darl_jax/train/executables.py):
-a match loads without compiling, anything that changes the program changes
-the key, and a broken file falls back to compiling."""
+"""Compiled programs saved and loaded by key (darl_jax/train/executables.py,
+train/aot.py's Program): a match loads without compiling, anything that
+changes the program changes the key, a broken file falls back to
+compiling, and a rerun of the loop loads every program the first run saved."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import types
 
 import jax
@@ -9,45 +15,57 @@ import jax.numpy as jnp
 import numpy as np
 
 from darl_jax import config_lib
+from darl_jax.train import aot
 from darl_jax.train import executables
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-def _compile():
+
+def _program(directory):
   f = jax.jit(lambda s, x: (s + x.sum(), {"loss": x.mean()}), donate_argnums=(0,))
-  compiled = f.lower(jnp.zeros(()), jnp.ones((4, 3))).compile()
-  return compiled, {"microbatch_size": 4, "compile_s": 0.1}
+  args = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32))
+  return aot.Program("small step", f, args, lambda traced: directory / "k1.bin",
+                     info={"microbatch_size": 4})
 
 
-class Counting:
-  def __init__(self):
+class CompileCounter:
+  def __init__(self, monkeypatch):
     self.calls = 0
+    real = aot.compile_lowered
 
-  def __call__(self):
-    self.calls += 1
-    return _compile()
+    def compile_lowered(lowered):
+      self.calls += 1
+      return real(lowered)
+
+    monkeypatch.setattr(aot, "compile_lowered", compile_lowered)
 
 
-def test_a_saved_step_loads_without_compiling_and_runs_the_same(tmp_path):
-  fn = Counting()
-  first, info = executables.load_or_compile(tmp_path, "k1", fn, keep=("microbatch_size",))
-  assert fn.calls == 1 and "loaded_s" not in info
-  second, info = executables.load_or_compile(tmp_path, "k1", fn, keep=("microbatch_size",))
-  assert fn.calls == 1 and info["microbatch_size"] == 4 and info["loaded_s"] >= 0
+def test_a_saved_program_loads_without_compiling_and_runs_the_same(tmp_path, monkeypatch):
+  counter = CompileCounter(monkeypatch)
+  first = _program(tmp_path)
+  aot.compile_programs([first])
+  assert counter.calls == 1 and "compile" in first.times and (tmp_path / "k1.bin").exists()
+  second = _program(tmp_path)
+  second.info = {}
+  aot.compile_programs([second])
+  assert counter.calls == 1 and "load" in second.times and "lower" not in second.times
+  assert second.info == {"microbatch_size": 4}          # saved with it
   x = jnp.arange(12.0).reshape(4, 3)
-  a, b = first(jnp.zeros(()), x), second(jnp.zeros(()), x)
+  a, b = first.compiled(jnp.zeros(()), x), second.compiled(jnp.zeros(()), x)
   np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
   assert not list(tmp_path.glob(".*.tmp"))            # written atomically
 
 
-def test_a_broken_file_is_removed_and_the_step_compiled(tmp_path, caplog):
-  (tmp_path / "k2.bin").write_bytes(b"not an executable")
-  fn = Counting()
-  compiled, _ = executables.load_or_compile(tmp_path, "k2", fn)
-  assert fn.calls == 1 and compiled is not None
+def test_a_broken_file_is_removed_and_the_program_compiled(tmp_path, monkeypatch, caplog):
+  (tmp_path / "k1.bin").write_bytes(b"not an executable")
+  counter = CompileCounter(monkeypatch)
+  program = _program(tmp_path)
+  aot.compile_programs([program])
+  assert counter.calls == 1 and program.compiled is not None
   assert "did not load" in caplog.text
   # The broken file was replaced by a good one, which now loads.
-  executables.load_or_compile(tmp_path, "k2", fn)
-  assert fn.calls == 1
+  aot.compile_programs([_program(tmp_path)])
+  assert counter.calls == 1
 
 
 def _mesh(kind="cpu", count=1):
@@ -87,58 +105,68 @@ def test_keys_that_do_not_reach_the_program_keep_the_key():
   assert executables.program_key(other, _mesh()) == base
 
 
-def test_a_rerun_of_the_same_program_loads_the_step_and_trains_the_same(tmp_path, monkeypatch,
-                                                                        caplog):
-  import logging as py_logging  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  import pathlib  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  import tiny_config  # pylint: disable=g-import-not-at-top
-  from darl_jax.train import loop, pretrain  # pylint: disable=g-import-not-at-top
-  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
-  caplog.set_level(py_logging.INFO)
-  # The loop's side of the cache (key, load or compile, save) with the
-  # executables kept in memory: XLA:CPU's serialized executables of a whole
-  # train step do not always run again in jax 0.10.2 (NOT_FOUND: Function
-  # ..._fusion not found; executables.py), so serialization itself is tested
-  # above on a small program only.
-  kept = {}
-
-  def save(path, compiled, info=None):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"kept in memory")
-    kept[path] = (compiled, dict(info or {}))
-    return True
-
-  monkeypatch.setattr(executables, "save", save)
-  monkeypatch.setattr(executables, "load",
-                      lambda path: (kept[path][0], dict(kept[path][1])) if path in kept else None)
-
-  def run(name, **overrides):
-    c = tiny_config.get_config("steps=3")
-    c.update(eval_every_steps=0, **overrides)
-    c.predictions.num_images = 0
-    caplog.clear()
-    last = loop.run(pretrain.PretrainTrainer(c), c, str(tmp_path / name))
-    return last, caplog.text
-
-  first, log = run("a")
-  assert "saved the compiled train step" in log
-  again, log = run("b", keep_checkpoints=1, checkpoint_every_steps=2)   # not the program
-  assert "loaded the compiled train step" in log and "train step compiled" not in log
-  assert again["loss"] == first["loss"] and again["param_norm"] == first["param_norm"]
-  _, log = run("d", total_steps=5)                   # the schedule is an input
-  assert "loaded the compiled train step" in log
-  _, log = run("c", seed=1)                          # another program
-  assert "train step compiled" in log and "loaded the compiled" not in log
-  assert len(list((tmp_path / "cache" / "executables").glob("*.bin"))) == 2
+def _cli(workdir, cache, *overrides, steps=2):
+  """The training command on the tiny config, saved executables forced on,
+  in a new process (a saved executable must load in another process)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DARL_COMPILED_STEP_CACHE="1",
+             JAX_COMPILATION_CACHE_DIR=str(cache),
+             # XLA:CPU executables JAX took from its own persistent cache do
+             # not run again once saved and reloaded (executables.py); a
+             # program compiled afresh does. The cache keeps nothing here.
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="100000",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                      os.environ.get("PYTHONPATH")])))
+  done = subprocess.run(
+      [sys.executable, "-m", "darl_jax.main",
+       f"--config={ROOT}/tests/tiny_config.py:objective=diffusion,steps={steps}",
+       f"--workdir={workdir}", "--config.eval_every_steps=2",
+       "--config.checkpoint_every_steps=2", *overrides],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stderr
 
 
-def test_the_saved_step_cache_is_off_unless_asked_for(monkeypatch, tmp_path):
+def _records(workdir):
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  return [json.loads(line) for line in lines]
+
+
+PROGRAMS = ("train step", "eval step", "init step", "picture")
+
+
+def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp_path):
+  cache = tmp_path / "cache"
+  log = _cli(tmp_path / "a", cache)
+  for name in PROGRAMS:
+    assert f"start-up: {name}: trace" in log and f"saved the compiled {name} as" in log, name
+  saved = sorted((cache / "executables").glob("*.bin"))
+  assert len(saved) == len(PROGRAMS)
+  # Another workdir, another cadence: the same programs, all loaded and run.
+  log = _cli(tmp_path / "b", cache, "--config.keep_checkpoints=1")
+  for name in PROGRAMS:
+    line = next(l for l in log.splitlines() if f"start-up: {name}: " in l)
+    assert ", load " in line and "compile" not in line, line
+  assert "4 programs ready" in log and "0 compiled side by side, 4 loaded" in log
+  assert (tmp_path / "b" / "predictions.png").exists()
+  # The loaded programs compute what the compiled ones did.
+  scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))
+                      for r in _records(w)]
+  assert scores(tmp_path / "b") == scores(tmp_path / "a")
+  assert sorted((cache / "executables").glob("*.bin")) == saved
+
+
+def test_saved_executables_are_off_on_the_cpu_and_on_gpus_and_tpus(monkeypatch, tmp_path):
   c = config_lib.pretrain_config()
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
   monkeypatch.delenv("DARL_COMPILED_STEP_CACHE", raising=False)
-  assert executables.cache_dir(c) is None
+  assert executables.cache_dir(c, "cpu") is None
+  assert executables.cache_dir(c, "gpu") == tmp_path / "executables"
+  assert executables.cache_dir(c, "tpu") == tmp_path / "executables"
   monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
-  assert executables.cache_dir(c) == tmp_path / "executables"
+  assert executables.cache_dir(c, "cpu") == tmp_path / "executables"
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "0")
+  assert executables.cache_dir(c, "gpu") is None
+  monkeypatch.delenv("DARL_COMPILED_STEP_CACHE")
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  c.compilation_cache_dir = ""                  # no cache, nothing saved
+  assert executables.cache_dir(c, "gpu") is None

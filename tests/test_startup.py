@@ -1,10 +1,14 @@
-"""Runs that start in seconds (issue 46): the learning-rate schedule and the
-weight decay are values fed to the train step, not constants of its program,
-so a change of them reuses the compiled step; the optimizer state keeps its
-layout (old checkpoints resume) and a resumed run replays the uninterrupted
-one bit for bit."""
+"""Runs that start in seconds (issues 46, 54): the learning-rate schedule and
+the weight decay are values fed to the train step, not constants of its
+program, so a change of them reuses the compiled step; the optimizer state
+keeps its layout (old checkpoints resume) and a resumed run replays the
+uninterrupted one bit for bit; every program a run uses is compiled at
+start-up, with a log line per phase."""
 
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -276,7 +280,12 @@ EXPECTED_OPT_STATE = {   # captured from optim.make_optimizer before the change
 }
 
 
-def test_eval_step_is_compiled_at_start_up_and_scores_as_the_jitted_one(tmp_path, monkeypatch):
+def test_every_program_compiles_at_start_up_with_a_log_line_per_phase(tmp_path, monkeypatch):
+  """Train, eval, init and the closing picture are compiled side by side
+  before the first step; the start-up log has one line per phase; nothing
+  is lowered after the last step (the picture runs its start-up program);
+  the compiled eval step scores as the jitted one."""
+  from jax._src import dispatch  # pylint: disable=g-import-not-at-top
   from darl_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   messages, warnings = [], []
   real_info, real_warning = loop.logging.info, loop.logging.warning
@@ -287,15 +296,43 @@ def test_eval_step_is_compiled_at_start_up_and_scores_as_the_jitted_one(tmp_path
       real(msg, *args, **kw)
     return log
 
+  # Programs lowered while finalize runs (JAX reports every lowering).
+  lowered_in_finalize, in_finalize = [], []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, *a, **k: lowered_in_finalize.append(event)
+      if in_finalize and event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT else None)
+  real_finalize = pretrain.PretrainTrainer.finalize
+
+  def finalize(self, *args):
+    in_finalize.append(True)
+    try:
+      return real_finalize(self, *args)
+    finally:
+      in_finalize.clear()
+
+  monkeypatch.setattr(pretrain.PretrainTrainer, "finalize", finalize)
   monkeypatch.setattr(loop.logging, "info", record(messages, real_info))
   monkeypatch.setattr(loop.logging, "warning", record(warnings, real_warning))
-  config = tiny(4, eval_every_steps=2, ema_decay=0.0)
+  config = tiny_config.get_config("objective=diffusion,steps=4")
+  config.update(eval_every_steps=2, checkpoint_every_steps=4, ema_decay=0.0)
   last = loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "w"))
   monkeypatch.undo()
-  compiled = [i for i, m in enumerate(messages) if m.startswith("eval step compiled (trace ")]
-  started = [i for i, m in enumerate(messages) if m.startswith("training ")]
-  assert len(compiled) == 1 and compiled[0] < started[0]
-  assert any(m.startswith("train step compiled (trace ") for m in messages[:started[0]])
+  assert (tmp_path / "w" / "predictions.png").exists() and lowered_in_finalize == []
+
+  def line(prefix):
+    found = [i for i, m in enumerate(messages) if m.startswith(prefix)]
+    assert len(found) == 1, (prefix, messages)
+    return found[0]
+
+  order = [line("start-up: setup (")]
+  for program in ("train step", "eval step", "init step", "picture"):
+    i = line(f"start-up: {program}: trace ")
+    assert ", lower " in messages[i] and ", compile " in messages[i]
+    order.append(i)
+  order += [line("start-up: 4 programs ready in "), line("start-up: initialisation: "),
+            line("training "), line("start-up: first batch: waited "),
+            line("start-up: first step done ")]
+  assert order == sorted(order)
   assert not [w for w in warnings if "eval step was compiled for" in w]
   scores = {k[len("val_"):]: v for k, v in last.items() if k.startswith("val_")}
   assert scores
@@ -310,3 +347,27 @@ def test_eval_step_is_compiled_at_start_up_and_scores_as_the_jitted_one(tmp_path
   want = loop.evaluate(trainer, built.model, state,
                        built.ctx.eval_source, built.eval_step, built.batch_sharding, config)
   assert want == scores
+
+
+def test_startup_benchmark_runs_a_config_cold_then_warm(tmp_path):
+  """benchmarks/startup_benchmark.py on the tiny config (a CPU smoke run; its
+  numbers are for the GPU): both runs' phases, first step, speed and exit."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = tmp_path / "rows.jsonl"
+  done = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "startup_benchmark.py"),
+       "--config=tests/tiny_config.py:objective=diffusion", "--steps=2", "--warm_steps=3",
+       "--log_every=1", "--skip=0", "--data=config", f"--json={out}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  rows = {r["run"]: r for r in map(json.loads, out.read_text().splitlines())}
+  assert sorted(rows) == ["cold", "warm"]
+  for row in rows.values():
+    assert 0 < row["first_step_s"] < row["wall_s"] and row["img_s"] > 0
+    assert 0 <= row["exit_after_last_checkpoint_s"] < row["wall_s"]
+    for phase in ("setup", "train step trace", "eval step trace", "init step trace",
+                  "picture trace", "programs ready", "initialisation", "first batch"):
+      assert f"phase: {phase}" in row, (phase, row)
+  assert "phase: train step compile" in rows["cold"]
+  table = done.stdout[done.stdout.index("| | cold | warm |"):]
+  assert "| first_step_s |" in table and "| exit_after_last_checkpoint_s |" in table

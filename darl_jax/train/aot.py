@@ -6,7 +6,14 @@ memory analysis of the compiled program and compares it with the device's
 memory. A step that cannot fit stops there, with one line naming the fix
 (``microbatch_size``, remat, FSDP), instead of an allocator dump after the
 first steps. ``microbatch_size=-1`` picks the largest microbatch whose
-compiled step fits (:func:`choose_microbatch`).
+step fits, from darl_jax/memory.py's estimate before compiling anything,
+then checked (and stepped down once) on the compiled figure
+(:func:`first_microbatch`, :func:`choose_microbatch`).
+
+Every program a run uses (train and eval steps, the state's
+initialisation, a trainer's closing picture) is a :class:`Program`,
+compiled at start-up side by side (:func:`compile_programs`) or loaded
+from the executable a run of the same program saved (train/executables.py).
 
 The figure is XLA's buffer assignment of the program: arguments (the train
 state and the batch) + outputs - the outputs that alias donated arguments +
@@ -17,6 +24,7 @@ fragmentation), hence the headroom of ``FIT_FRACTION``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import re
 import time
@@ -124,6 +132,21 @@ _COMPILER_OOM = re.compile(r"temporaries \(([\d.]+)([KMGT])\) exceeds available 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
+def compile_lowered(lowered):
+  """``lowered.compile()``; raises CompilerOutOfMemory where XLA itself says
+  the program cannot fit."""
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    found = _COMPILER_OOM.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+      raise
+    temps = float(found.group(1)) * _UNITS[found.group(2)]
+    hbm = float(found.group(3)) * _UNITS[found.group(4)]
+    raise CompilerOutOfMemory(" ".join(str(e).split())[:300],
+                              Footprint(0, 0, 0, int(temps), 0), int(hbm)) from None
+
+
 def compile_step(jitted, *args, traced=None) -> tuple[object, dict]:
   """``jitted.lower(*args).compile()``, with the seconds of each phase
   (``traced``: ``jitted.trace(*args)`` done already, its time not counted).
@@ -133,16 +156,7 @@ def compile_step(jitted, *args, traced=None) -> tuple[object, dict]:
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()
-  try:
-    compiled = lowered.compile()
-  except jax.errors.JaxRuntimeError as e:
-    found = _COMPILER_OOM.search(str(e))
-    if "RESOURCE_EXHAUSTED" not in str(e) or not found:
-      raise
-    temps = float(found.group(1)) * _UNITS[found.group(2)]
-    hbm = float(found.group(3)) * _UNITS[found.group(4)]
-    raise CompilerOutOfMemory(" ".join(str(e).split())[:300],
-                              Footprint(0, 0, 0, int(temps), 0), int(hbm)) from None
+  compiled = compile_lowered(lowered)
   t3 = time.perf_counter()
   return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
 
@@ -153,9 +167,10 @@ def suggest_microbatch(fp: Footprint, microbatch: int, capacity: int,
   ``capacity`` by ``fp``, the footprint at ``microbatch``: temporaries
   scale with the microbatch, the rest does not; None if not even the
   smallest should."""
-  budget = FIT_FRACTION * capacity - (fp.total - fp.temporaries)
+  budget = FIT_FRACTION * capacity
   per_example = fp.temporaries / max(microbatch, 1)
-  fits = [b for b in sizes if b < microbatch and b * per_example <= budget]
+  fits = [b for b in sizes
+          if b < microbatch and b * per_example <= budget - (fp.total - fp.temporaries)]
   return max(fits) if fits else None
 
 
@@ -182,34 +197,106 @@ def check_fits(fp: Footprint | None, capacity: int | None, **kw) -> None:
     raise DoesNotFit(fix_line(fp, capacity, **kw))
 
 
-def choose_microbatch(compile_for: Callable[[int], object], sizes: list[int],
-                      capacity: int | None) -> tuple[int, object]:
-  """``microbatch_size=-1``: the largest of ``sizes`` (largest first, the
-  first one the whole batch) whose compiled step fits in ``capacity``.
+# ----------------------------------------------------- automatic microbatch
+#
+# ``microbatch_size=-1`` chooses before compiling anything, from
+# darl_jax/memory.py's analytic estimate (seconds, no compile): compiling a
+# candidate that cannot fit costs minutes at H/14 (XLA first tries hard to
+# make it fit), and a whole batch of 4096 on one GPU is such a candidate.
 
-  Compiles the whole batch first; where it does not fit, the footprint's
-  temporaries (which scale with the microbatch) point at the candidate to
-  compile next, so a choice takes two or three compiles. Returns
+# memory.py's estimate is within this factor of XLA's compiled figure on
+# every row of docs/TPU.md and on the H200 (H/14 at 192 and 256 examples:
+# 0.97x and 1.06x). The first candidate is the largest whose estimate,
+# raised by it, fits: it fits when compiled unless the estimate is off by
+# more than it is known to be.
+ESTIMATE_ERROR = 1.2
+
+
+def refusal_line(estimate_bytes: float, capacity: int, *, microbatch: int,
+                 batch_shards: int, remat: str) -> str:
+  """One line for a batch that fits at no microbatch, naming the fixes."""
+  fixes = ["shard the state over more devices (--config.sharding=fsdp "
+           "--config.mesh.fsdp=<n>, or run on more devices)",
+           "a smaller --config.batch_size"]
+  if remat != "full":
+    fixes.append("--config.model.remat=full")
+  return (f"the train step does not fit at any microbatch: even {microbatch // batch_shards} "
+          f"example(s) per device (microbatch_size={microbatch}) needs an estimated "
+          f"{estimate_bytes / GIB:.2f} GiB per device (darl_jax/memory.py, known to within "
+          f"{ESTIMATE_ERROR - 1:.0%}) and the device has {capacity / GIB:.2f} GiB (the step "
+          f"may use {FIT_FRACTION:.0%}): " + ", or ".join(fixes))
+
+
+def first_microbatch(estimate_for: Callable[[int], float | None], sizes: list[int],
+                     capacity: int | None, *, batch_shards: int = 1,
+                     remat: str = "none") -> int:
+  """The candidate ``microbatch_size=-1`` compiles first, chosen before any
+  compile: the largest of ``sizes`` (valid sizes, largest first: the whole
+  batch, then its divisors that split over ``batch_shards``) whose
+  estimate (``estimate_for(size)``, bytes per device) times ESTIMATE_ERROR
+  fits the share FIT_FRACTION of ``capacity``. The whole batch where
+  ``capacity`` is unknown (CPU: no accumulation, as with
+  ``microbatch_size=0``). Raises DoesNotFit (:func:`refusal_line`) when
+  even the smallest size's estimate, lowered by ESTIMATE_ERROR, does not
+  fit; where only the raised estimate does not, the smallest is compiled
+  and its compiled figure decides."""
+  if capacity is None:
+    return sizes[0]
+  budget = FIT_FRACTION * capacity
+  for size in sizes:
+    estimate = estimate_for(size)
+    if estimate is None:
+      raise config_lib.ConfigError(
+          "microbatch_size=-1 chooses the microbatch from darl_jax/memory.py's estimate, "
+          "which has none for this config (no ViT config.model); set "
+          "--config.microbatch_size to one of " + ", ".join(map(str, sizes[:8])))
+    if estimate * ESTIMATE_ERROR <= budget:
+      return size
+  smallest = sizes[-1]
+  if estimate_for(smallest) / ESTIMATE_ERROR > budget:
+    raise DoesNotFit(refusal_line(estimate_for(smallest), capacity, microbatch=smallest,
+                                  batch_shards=batch_shards, remat=remat))
+  return smallest
+
+
+def choose_microbatch(compile_for: Callable[[int], object], sizes: list[int],
+                      capacity: int | None, first: int) -> tuple[int, object]:
+  """``microbatch_size=-1`` after :func:`first_microbatch`: compiles
+  ``first`` (``compile_for(size)``); if its compiled footprint does not fit,
+  steps down once, by the compiled figure: to the size
+  :func:`suggest_microbatch` reads from it (its arguments and outputs, the
+  state, stay; its temporaries scale with the microbatch), the size the
+  fix line would name. The compiled figure, not the estimate, since it is
+  exact where the estimate was just shown off. At most two compiles;
+  raises DoesNotFit naming the fix when neither fits. Returns
   ``(microbatch, compiled)``."""
-  b = sizes[0]
-  while True:
+  def attempt(size):
     try:
-      compiled = compile_for(b)
-      fp = footprint(compiled)
+      compiled = compile_for(size)
+      return compiled, footprint(compiled)
     except CompilerOutOfMemory as e:
-      compiled, fp, capacity = None, e.footprint, capacity or e.capacity
-    if compiled is not None and (fp is None or capacity is None
-                                 or fp.total <= FIT_FRACTION * capacity):
-      return b, compiled
-    nxt = suggest_microbatch(fp, b, capacity, sizes)
-    if nxt is None:
-      smaller = [s for s in sizes if s < b]
-      if not smaller:
-        raise DoesNotFit(fix_line(fp, capacity, batch_size=sizes[0], microbatch=b,
-                                  sizes=sizes))
-      nxt = smaller[0] if fp.temporaries == 0 else smaller[-1]
-    logging.info("microbatch_size=-1: %d examples need %s; trying %d", b, fp.describe(), nxt)
-    b = nxt
+      # The TPU compiler refuses a program that cannot fit, naming only its
+      # temporaries.
+      return None, e.footprint
+
+  def fits(compiled, fp):
+    return compiled is not None and (fp is None or capacity is None
+                                     or fp.total <= FIT_FRACTION * capacity)
+
+  compiled, fp = attempt(first)
+  if fits(compiled, fp):
+    return first, compiled
+  fix = lambda fp, size: fix_line(fp, capacity, batch_size=sizes[0], microbatch=size,
+                                  sizes=sizes)
+  size = suggest_microbatch(fp, first, capacity, sizes)
+  if size is None:
+    raise DoesNotFit(fix(fp, first))
+  logging.info("microbatch_size=-1: %d examples compiled to %s; stepping down to %d",
+               first, fp.describe(), size)
+  compiled, fp = attempt(size)
+  if not fits(compiled, fp):
+    raise DoesNotFit(fix(fp, size))
+  return size, compiled
 
 
 def memory_stats(device) -> dict:
@@ -228,19 +315,145 @@ def memory_stats(device) -> dict:
   return {out: stats[k] / GIB for k, out in names.items() if k in stats}
 
 
-def describe_estimate(config, mesh_shape: dict, microbatch: int) -> str | None:
-  """darl_jax/memory.py's analytic estimate of a pretraining step at
-  ``microbatch`` examples (its ``model.remat`` column), for the log beside
-  the compiled figure; None for other trainers."""
-  if config.get("trainer") != "pretrain" or "decoder" not in config:
+def estimate_bytes(config, mesh_shape: dict, microbatch: int, *, num_microbatches: int = 1,
+                   params=None) -> float | None:
+  """darl_jax/memory.py's estimate of the train step's bytes per device at
+  ``microbatch`` examples at once, ``num_microbatches`` per step (its
+  ``model.remat`` column); ``params``: the run's parameter tree (default:
+  the DARL model of ``config``). None where memory.py cannot read the
+  config (no ViT ``config.model``)."""
+  if "model" not in config or not config.model.get("variant"):
     return None
   from darl_jax import memory  # pylint: disable=g-import-not-at-top
   try:
     est = memory.estimate(config, mesh_shape, config.get("sharding", "replicated"),
-                          microbatch)
+                          microbatch, params=params, num_microbatches=num_microbatches)
+    return est.total(config.model.get("remat", "none"))
   except (ValueError, KeyError) as e:
-    return f"(memory.py gives no estimate: {e})"
-  total = (est.params + est.grads + est.adam + est.ema + est.fsdp_buffer
-           + est.activations[config.model.get("remat", "none")])
-  return f"{total / GIB:.2f} GiB"
+    logging.info("memory.py gives no estimate for this config: %s", e)
+    return None
 
+
+def describe_estimate(config, mesh_shape: dict, microbatch: int) -> str | None:
+  """darl_jax/memory.py's analytic estimate of a pretraining step at
+  ``microbatch`` examples (of ``config.batch_size`` per step), for the log
+  and the TPU compile report beside the compiled figure; None for other
+  trainers (memory.py's figures are checked for pretraining only)."""
+  if config.get("trainer") != "pretrain" or "decoder" not in config:
+    return None
+  total = estimate_bytes(config, mesh_shape, microbatch,
+                         num_microbatches=max(config.batch_size // microbatch, 1))
+  return None if total is None else f"{total / GIB:.2f} GiB"
+
+
+# ------------------------------------------------- every program at start-up
+
+
+@dataclasses.dataclass
+class Program:
+  """One program a run uses (the train step, the eval step, the state's
+  initialisation, a trainer's closing picture), compiled at start-up.
+
+  ``jitted`` is traced and lowered on ``args`` (ShapeDtypeStructs) in the
+  calling thread, then compiled beside the others (:func:`compile_programs`);
+  ``path`` (``path_for(traced)``), where given, is the saved executable a
+  rerun loads instead (train/executables.py). ``times``: the seconds of
+  ``trace``, ``lower``, ``compile`` or ``load``."""
+  name: str
+  jitted: Callable
+  args: tuple
+  path_for: Callable | None = None
+  traced: object = None
+  lowered: object = None
+  compiled: object = None
+  path: object = None
+  info: dict = dataclasses.field(default_factory=dict)   # saved with the executable
+  times: dict = dataclasses.field(default_factory=dict)
+  refused: CompilerOutOfMemory | None = None   # XLA's refusal for want of memory
+
+  def trace(self) -> None:
+    t0 = time.perf_counter()
+    self.traced = self.jitted.trace(*self.args)
+    self.times["trace"] = time.perf_counter() - t0
+
+  def load(self) -> bool:
+    """Loads the saved executable (path_for's) where there is one."""
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    self.path = self.path_for(self.traced) if self.path_for else None
+    if self.path is None or not self.path.exists():
+      return False
+    t0 = time.perf_counter()
+    loaded = executables.load(self.path)
+    if loaded is None:
+      return False
+    self.compiled, self.info = loaded
+    self.times["load"] = time.perf_counter() - t0
+    return True
+
+  def lower(self) -> None:
+    t0 = time.perf_counter()
+    self.lowered = self.traced.lower()
+    self.times["lower"] = time.perf_counter() - t0
+
+  def compile(self) -> object:
+    """Compiles the lowered program; a refusal for want of memory (the TPU
+    compiler's) is kept in ``refused`` for the caller to judge."""
+    t0 = time.perf_counter()
+    try:
+      self.compiled = compile_lowered(self.lowered)
+    except CompilerOutOfMemory as e:
+      self.refused = e
+    self.times["compile"] = time.perf_counter() - t0
+    return self.compiled
+
+  def save(self) -> None:
+    """Saves what was compiled (process 0 only), where a path is given."""
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    if (self.path is not None and "compile" in self.times and jax.process_index() == 0
+        and executables.save(self.path, self.compiled, self.info)):
+      logging.info("saved the compiled %s as %s for the next run", self.name, self.path)
+
+  def describe(self) -> str:
+    """``trace 0.4 s, lower 1.2 s, compile 3.1 s`` or ``trace 0.4 s, load 0.2 s``."""
+    return ", ".join(f"{k} {v:.1f} s" for k, v in self.times.items())
+
+
+def compile_programs(programs: list[Program], *, after: Callable | None = None) -> float:
+  """Every one of ``programs`` traced, then loaded or lowered, one after the
+  other in this thread (Python work, under the GIL), then compiled all at
+  once on a thread pool: XLA's compile releases the GIL, so the programs
+  compile side by side. ``after(program)`` then runs on each program in
+  this thread (the train step's memory check and automatic microbatch,
+  which may compile it again); it may raise, and a program XLA refused for
+  want of memory that it leaves uncompiled raises CompilerOutOfMemory.
+  Saves what compiled (Program.save) and logs one line per program.
+  Returns the seconds it took."""
+  t0 = time.perf_counter()
+  to_compile = []
+  for program in programs:
+    program.trace()
+    if not program.load():
+      program.lower()
+      to_compile.append(program)
+  with concurrent.futures.ThreadPoolExecutor(max(len(to_compile), 1),
+                                             thread_name_prefix="compile") as pool:
+    futures = {pool.submit(program.compile): program for program in to_compile}
+    try:
+      for future in concurrent.futures.as_completed(futures):
+        future.result()
+    except BaseException:
+      for future in futures:
+        future.cancel()
+      raise
+  for program in programs:
+    if after is not None:
+      after(program)
+    if program.compiled is None:
+      raise program.refused
+    program.save()
+    logging.info("start-up: %s: %s", program.name, program.describe())
+  seconds = time.perf_counter() - t0
+  if len(programs) > 1:
+    logging.info("start-up: %d programs ready in %.1f s (%d compiled side by side, %d loaded)",
+                 len(programs), seconds, len(to_compile), len(programs) - len(to_compile))
+  return seconds

@@ -1,28 +1,36 @@
-"""Compiled train steps kept on disk and loaded by the next run of the same program.
+"""Compiled programs kept on disk and loaded by the next run of the same program.
 
 JAX's persistent compilation cache keeps XLA's executable, but a run still
-traces and lowers its step (and builds its Pallas kernels) at every start.
-A step compiled here is serialized (``jax.experimental.serialize_executable``)
-into ``<cache dir>/executables/<key>.bin`` and a rerun or resume whose key
-matches loads it instead: no tracing, lowering or compiling.
+traces and lowers its programs (and builds its Pallas kernels) at every
+start. Every program a run compiles at start-up (train and eval steps, the
+state's initialisation, the closing picture: train/aot.py's Program) is
+serialized (``jax.experimental.serialize_executable``) into
+``<cache dir>/executables/<key>.bin``, and a rerun or resume whose key
+matches loads it instead: no lowering or compiling.
 
-The key is a digest of the traced step's jaxpr (tracing takes seconds; it
-is lowering and compiling that a match skips) and of everything that can
-change the program without showing in it: the resolved config less the keys
-that do not reach the program (``NOT_PROGRAM_KEYS``: run length and
+The key is a digest of the traced program's jaxpr (tracing takes seconds;
+it is lowering and compiling that a match skips) and of everything that
+can change the program without showing in it: the resolved config less the
+keys that do not reach the program (``NOT_PROGRAM_KEYS``: run length and
 cadence, where things are written; ``NOT_PROGRAM_OPTIM_KEYS``: the
 schedule's scalars, inputs of the step, or literals of the jaxpr where a
 program reads them), the source of every darl_jax module and of the
 trainer's class (custom gradient rules are not in a jaxpr's text), the
 versions of jax, jaxlib and the libraries the step calls, the devices
-(platform, kind, count, ids), the mesh and the kernels chosen. Off by default, on with ``DARL_COMPILED_STEP_CACHE=1``: with jax 0.10.2 on
-the CPU, an executable saved by one process and loaded by another
-deserializes but fails at its first call (``NOT_FOUND: Function
-convert_power_fusion not found``; the same process loads and runs it
-fine), and on GPUs a load in a new process has not been tried yet. Until a
-new process's load is shown to run on a backend, the loop compiles. A file whose key differs is
+(platform, kind, count, ids), the mesh, the kernels chosen and the
+program's name.
+
+On by default where saved executables load in a new process and run: GPUs
+(measured on an H200: a saved B/16 train step loaded in 1.7 s in a new
+process and trained) and TPUs. Off by default on the CPU: with jax 0.10.2
+an XLA:CPU executable that JAX took from its persistent compilation cache
+serializes, deserializes in another process, and then fails at its first
+call (``NOT_FOUND: Function wrapped_broadcast not found``, ``...fusion
+not found``); one compiled afresh in the saving process runs again. A run
+cannot tell the two apart, so the CPU compiles. ``DARL_COMPILED_STEP_CACHE=1``
+turns it on anywhere, ``=0`` off anywhere. A file whose key differs is
 never read; a file that fails to load (truncated, from another jaxlib that
-kept the same version string, ...) is removed and the step compiled as
+kept the same version string, ...) is removed and the program compiled as
 usual, with one log line. Files are written atomically, so a killed run
 leaves none half-written.
 """
@@ -34,7 +42,6 @@ import inspect
 import json
 import os
 import pickle
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
@@ -121,12 +128,27 @@ def trainer_digest(trainer) -> str:
   return h.hexdigest()
 
 
-def cache_dir(config) -> Path | None:
+# Where saved executables are on unless DARL_COMPILED_STEP_CACHE says
+# otherwise: the platforms whose executables run again in a new process
+# (module docstring).
+DEFAULT_ON = ("gpu", "cuda", "rocm", "tpu")
+
+
+def enabled(platform: str) -> bool:
+  """Whether saved executables are used on ``platform`` (a device's
+  ``platform``): DARL_COMPILED_STEP_CACHE=1 / 0 forces it, else DEFAULT_ON."""
+  forced = os.environ.get("DARL_COMPILED_STEP_CACHE", "")
+  if forced in ("0", "1"):
+    return forced == "1"
+  return platform in DEFAULT_ON
+
+
+def cache_dir(config, platform: str = "cpu") -> Path | None:
   """``<compilation_cache_dir>/executables`` ("" = off; a
-  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache),
-  only with DARL_COMPILED_STEP_CACHE=1 (see the module docstring: off by
-  default); None where it is off or not a local path."""
-  if os.environ.get("DARL_COMPILED_STEP_CACHE", "0") != "1":
+  JAX_COMPILATION_CACHE_DIR environment variable wins, as for JAX's cache)
+  where saved executables are :func:`enabled` on ``platform``; None where
+  they are off or the cache is not a local path."""
+  if not enabled(platform):
     return None
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or config.get("compilation_cache_dir", "")
   if not path or "://" in path:
@@ -143,7 +165,7 @@ def load(path: Path) -> tuple[object, dict] | None:
       (payload, in_tree, out_tree), info = pickle.load(f)
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), info
   except Exception as e:  # pylint: disable=broad-except  # any failure: compile instead
-    logging.warning("the saved train step %s did not load (%s: %s); compiling it instead",
+    logging.warning("the saved program %s did not load (%s: %s); compiling it instead",
                     path, type(e).__name__, " ".join(str(e).split())[:200])
     try:
       path.unlink()
@@ -166,31 +188,22 @@ def save(path: Path, compiled, info: dict | None = None) -> bool:
     os.replace(tmp, path)
     return True
   except Exception as e:  # pylint: disable=broad-except
-    logging.warning("could not save the compiled train step to %s (%s: %s)", path,
+    logging.warning("could not save the compiled program to %s (%s: %s)", path,
                     type(e).__name__, " ".join(str(e).split())[:200])
     return False
 
 
-def load_or_compile(directory: Path | None, key: str,
-                    compile_fn: Callable[[], tuple[object, dict]],
-                    keep: tuple[str, ...] = ()) -> tuple[object, dict]:
-  """``compile_fn() -> (compiled, info)``, or the step saved under ``key``
-  in ``directory``: then ``info`` holds the ``keep`` entries saved with it
-  and ``loaded_s``. Saves what it compiled (process 0 only)."""
-  if directory is None:
-    return compile_fn()
-  path = directory / f"{key}.bin"
-  if path.exists():
-    t0 = time.perf_counter()
-    loaded = load(path)
-    if loaded is not None:
-      compiled, info = loaded
-      info["loaded_s"] = time.perf_counter() - t0
-      logging.info("loaded the compiled train step %s in %.1f s (no lowering or compiling)",
-                   path.name, info["loaded_s"])
-      return compiled, info
-  compiled, info = compile_fn()
-  if jax.process_index() == 0 and save(path, compiled, {k: info[k] for k in keep if k in info}):
-    logging.info("saved the compiled train step as %s for the next run", path)
-  return compiled, info
+def path_for(directory: Path | None, config, mesh, name: str, *, kernels="", trainer=None,
+             extra=None) -> Callable[[object], Path | None]:
+  """``traced -> <directory>/<key>.bin``: the file the program ``name``
+  traced as ``traced`` is saved as (``extra``: what else its program
+  depends on); always None where ``directory`` is None (off)."""
+  def path(traced):
+    if directory is None:
+      return None
+    key = program_key(config, mesh, kernels=kernels, extra={
+        "name": name, "program": jaxpr_digest(traced), "trainer": trainer_digest(trainer),
+        "extra": extra})
+    return directory / f"{key}.bin"
+  return path
 

@@ -78,6 +78,8 @@ class Context:
   eval_source: Any
   writer: metrics_lib.MetricWriter
   total_steps: int
+  # The programs of ``Trainer.finalize_programs``, compiled at start-up: name -> compiled.
+  compiled: dict = dataclasses.field(default_factory=dict)
 
 
 class Trainer:
@@ -132,6 +134,15 @@ class Trainer:
 
   def finalize(self, ctx: Context, model, state) -> None:
     """Artifacts after training (pictures, reports)."""
+
+  def finalize_programs(self, ctx: Context, model, abstract_params) -> dict:
+    """The programs ``finalize`` will run, ``{name: (jitted, abstract
+    arguments)}`` (``abstract_params``: the parameters' ShapeDtypeStructs):
+    the loop compiles them at start-up beside the train step (saved with
+    it, train/executables.py) and hands them to ``finalize`` compiled, as
+    ``ctx.compiled[name]``, so that nothing compiles after the last step."""
+    del ctx, model, abstract_params
+    return {}
 
 
 def check_image_shape(config, source) -> None:
@@ -408,16 +419,26 @@ class Setup:
   abstract_batch: Any            # the training batch as ShapeDtypeStructs (aot.abstract_batch)
   batch_shards: int              # data x fsdp: the devices a batch is split over
   abstract_hyper: Any            # the step's hyper argument as (replicated) ShapeDtypeStructs
+  init_step: Callable = None     # jitted init_state_fn (rng -> state), out on the state's shardings
 
   def hyper(self, step: int) -> dict:
     """The train step's ``hyper`` argument for the update from step counter
     ``step`` to ``step + 1`` (host values, optim.Hyperparams.values)."""
     return self.hyperparams.values(step)
 
-  def init_state(self) -> dict:
-    """A fresh state, built on the mesh (never on the host)."""
-    return jax.jit(self.init_state_fn, out_shardings=self.state_shardings)(
-        jax.random.fold_in(self.base_rng, -1 % (2**31)))
+  def init_rng(self) -> jax.Array:
+    """The key a fresh state is drawn from, replicated over the mesh."""
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(jax.random.fold_in(self.base_rng, -1 % (2**31)), replicated)
+
+  def abstract_init_rng(self) -> jax.ShapeDtypeStruct:
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(self.base_rng.shape, self.base_rng.dtype, sharding=replicated)
+
+  def init_state(self, compiled=None) -> dict:
+    """A fresh state, built on the mesh (never on the host), by ``compiled``
+    (``init_step`` compiled at start-up) or else ``init_step``."""
+    return (compiled or self.init_step)(self.init_rng())
 
 
 def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) -> Setup:
@@ -495,7 +516,7 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
                    out_shardings=(state_shardings, None), donate_argnums=(0,))
 
   microbatch = config.get("microbatch_size", 0)
-  # -1 (automatic) is resolved when the step is compiled (compile_train_step).
+  # -1 (automatic) is resolved when the step is compiled (compile_programs).
   num_microbatches = (1 if microbatch == -1 else
                       accumulate.num_microbatches(config.batch_size, microbatch, batch_shards))
   eval_step = jax.jit(make_eval_step(trainer, model, base_rng, mesh))
@@ -508,79 +529,146 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
                make_step=make_step, batch_shards=batch_shards,
                abstract_batch=aot.abstract_batch(train_source.image_shape, config.batch_size,
                                                  batch_sharding),
-               abstract_hyper=hyperparams.abstract(replicated))
+               abstract_hyper=hyperparams.abstract(replicated),
+               init_step=jax.jit(init_state, out_shardings=state_shardings))
 
 
-def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
-                       trainer=None) -> tuple[Any, dict]:
-  """The train step compiled ahead of time for the state and batch it runs
-  on (train/aot.py), its memory checked against ``device``'s (default: the
+@dataclasses.dataclass
+class Programs:
+  """What ``compile_programs`` compiled (or loaded) at start-up."""
+  train_step: Any                # the compiled train step
+  info: dict                     # microbatch_size, footprint, capacity, the phases' seconds
+  eval_step: Callable | None     # see compile_eval_step
+  init_state: Any                # the compiled init_step, or None
+  extra: dict                    # name -> compiled, of Trainer.finalize_programs
+
+
+def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: bool = True,
+                     eval_step: bool = False, init: bool = False,
+                     extra: dict | None = None) -> Programs:
+  """Every program a run uses, compiled at start-up before the checkpoint is
+  read or the data flows (train/aot.py's compile_programs: traced and
+  lowered in turn, compiled side by side): the train step for the state
+  and batch it runs on, with ``eval_step`` the evaluation step, with
+  ``init`` the state's initialisation, and ``extra`` (``{name: (jitted,
+  abstract args)}``, a trainer's finalize_programs).
+
+  The train step's memory is checked against ``device``'s (default: the
   mesh's first) before any step runs: a step that cannot fit raises
-  aot.DoesNotFit naming the fix. ``microbatch_size=-1`` is resolved here
-  (the largest microbatch that fits). ``reuse``: load the step a run of the
-  same program saved (train/executables.py; ``trainer`` is part of that
-  key), else compile and save it. Returns ``(compiled, info)``: info holds
-  the microbatch, the footprint and the phases' seconds."""
+  aot.DoesNotFit naming the fix. ``microbatch_size=-1`` is resolved here:
+  the largest microbatch whose memory.py estimate fits, chosen before
+  anything compiles, stepped down at most once on the compiled figure
+  (aot.first_microbatch, aot.choose_microbatch). ``reuse``: load what a
+  run of the same program saved (train/executables.py; ``trainer`` is part
+  of the key), else compile and save it."""
   device = device if device is not None else built.mesh.devices.flat[0]
   capacity = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
   batch_size = config.batch_size
   sizes = accumulate.candidates(batch_size, built.batch_shards)
-
-  args = (built.abstract_state, built.abstract_batch, built.abstract_hyper)
   requested = config.get("microbatch_size", 0)
-  # The program a saved step must match: traced first (seconds), its jaxpr
-  # part of the key; lowering and compiling are what a match skips.
-  first = batch_size if requested == -1 else (requested or batch_size)
-  t0 = time.perf_counter()
-  traced = built.make_step(batch_size // first).trace(*args)
-  trace_s = time.perf_counter() - t0
+  mesh_shape = dict(built.mesh.shape)
 
-  def compile_for(microbatch: int, times: dict):
-    step = built.make_step(batch_size // microbatch)
-    compiled, t = aot.compile_step(step, *args,
-                                   traced=traced if microbatch == first else None)
-    for k, v in t.items():
-      times[k] = times.get(k, 0.0) + v
-    return compiled
+  @functools.cache
+  def estimate_for(microbatch: int):
+    return aot.estimate_bytes(config, mesh_shape, microbatch,
+                              num_microbatches=batch_size // microbatch,
+                              params=built.abstract_state["params"])
 
-  def compile_now():
-    times = {"trace_s": trace_s}
+  if requested == -1:     # before anything compiles; may refuse the batch
+    first = aot.first_microbatch(estimate_for, sizes, capacity,
+                                 batch_shards=built.batch_shards,
+                                 remat=config.get("model", {}).get("remat", "none"))
+  else:
+    first = requested or batch_size
+
+  directory = executables.cache_dir(config, device.platform) if reuse else None
+  kernels = ops.current() if "model" in config else ""
+  path_for = lambda name, extra_key=None: executables.path_for(
+      directory, config, built.mesh, name, kernels=kernels, trainer=trainer, extra=extra_key)
+  state, args = built.abstract_state, (built.abstract_state, built.abstract_batch,
+                                       built.abstract_hyper)
+  train = aot.Program("train step", built.make_step(batch_size // first), args,
+                      path_for("train step", {"capacity": capacity}),
+                      info={"microbatch_size": first})
+  programs = [train]
+  if eval_step:
+    programs.append(aot.Program("eval step", built.eval_step,
+                                (state["params"], state["model_state"],
+                                 abstract_eval_batch(built, config)), path_for("eval step")))
+  if init:
+    programs.append(aot.Program("init step", built.init_step,
+                                (built.abstract_init_rng(),), path_for("init step")))
+  for name, (jitted, abstract_args) in (extra or {}).items():
+    programs.append(aot.Program(name, jitted, tuple(abstract_args), path_for(name)))
+
+  def choose(program):
+    if program is not train or "load" in train.times:
+      return
+
+    def compile_for(microbatch: int):
+      if microbatch == first:
+        if train.compiled is None:
+          raise train.refused
+        return train.compiled
+      compiled, times = aot.compile_step(built.make_step(batch_size // microbatch), *args)
+      for phase in ("trace", "lower", "compile"):
+        train.times[phase] += times[f"{phase}_s"]
+      return compiled
+
     if requested == -1:
-      microbatch, compiled = aot.choose_microbatch(lambda b: compile_for(b, times), sizes,
-                                                   capacity)
-    else:
-      microbatch = requested or batch_size
-      try:
-        compiled = compile_for(microbatch, times)
-      except aot.CompilerOutOfMemory as e:   # the TPU compiler checks memory itself
-        raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
-                                          microbatch=microbatch, sizes=sizes)) from None
-    return compiled, {"microbatch_size": microbatch, **times}
+      microbatch, train.compiled = aot.choose_microbatch(compile_for, sizes, capacity, first)
+      train.info["microbatch_size"] = microbatch
+    elif train.compiled is None:        # the TPU compiler checks memory itself
+      e = train.refused
+      raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
+                                        microbatch=first, sizes=sizes))
+    aot.check_fits(aot.footprint(train.compiled), capacity, batch_size=batch_size,
+                   microbatch=train.info["microbatch_size"], sizes=sizes)
 
-  directory = executables.cache_dir(config) if reuse else None
-  # The key (the jaxpr's text, the package's source) only where it is used:
-  # the saved-step cache is off by default.
-  key = "" if directory is None else executables.program_key(
-      config, built.mesh, kernels=ops.current(),
-      extra={"program": executables.jaxpr_digest(traced),
-             "trainer": executables.trainer_digest(trainer), "capacity": capacity})
-  compiled, info = executables.load_or_compile(directory, key, compile_now,
-                                               keep=("microbatch_size",))
-  microbatch = info["microbatch_size"]
-  fp = aot.footprint(compiled)
+  aot.compile_programs(programs, after=choose)
+  microbatch = train.info["microbatch_size"]
+  fp = aot.footprint(train.compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
-  estimate = aot.describe_estimate(config, dict(built.mesh.shape), microbatch)
-  how = (f"traced in {trace_s:.1f} s and loaded in {info['loaded_s']:.1f} s"
-         if "loaded_s" in info else
-         f"compiled (trace {info['trace_s']:.1f} s, lower {info['lower_s']:.1f} s, "
-         f"compile {info['compile_s']:.1f} s)")
+  estimate = estimate_for(microbatch)
   logging.info(
-      "train step %s: %s per device%s%s; %d microbatch(es) of %d", how,
+      "train step: %s per device%s%s; %d microbatch(es) of %d",
       fp.describe() if fp else "no memory analysis on this backend",
       f" of {capacity / aot.GIB:.2f} GiB" if capacity else "",
-      f"; memory.py's estimate {estimate}" if estimate else "",
+      f"; memory.py's estimate {estimate / aot.GIB:.2f} GiB" if estimate else "",
       batch_size // microbatch, microbatch)
-  return compiled, {**info, "footprint": fp, "capacity": capacity}
+  times = {f"{k}_s": v for k, v in train.times.items()}
+  if "load_s" in times:
+    times["loaded_s"] = times["load_s"]
+  info = {**times, "microbatch_size": microbatch, "footprint": fp, "capacity": capacity,
+          "programs": {p.name: dict(p.times) for p in programs}}
+  by_name = {p.name: p for p in programs}
+  return Programs(
+      train_step=train.compiled, info=info,
+      eval_step=(_eval_step_of(built, config, by_name["eval step"].compiled)
+                 if eval_step else None),
+      init_state=by_name["init step"].compiled if init else None,
+      extra={name: by_name[name].compiled for name in (extra or {})})
+
+
+def newest_saved_step(workdir) -> int | None:
+  """The newest step saved under ``<workdir>/checkpoints`` by its folder's
+  name (Orbax's committed step folders; unfinished ones carry a suffix),
+  None if none: whether a run will resume, before the checkpoint is read."""
+  directory = epath.Path(workdir) / "checkpoints"
+  if not directory.exists():
+    return None
+  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
+  return max(steps) if steps else None
+
+
+def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
+                       trainer=None) -> tuple[Any, dict]:
+  """The train step alone, compiled ahead of time as ``compile_programs``
+  compiles it (memory checked, ``microbatch_size=-1`` resolved). Returns
+  ``(compiled, info)``: info holds the microbatch, the footprint, the
+  device's capacity and the phases' seconds."""
+  programs = compile_programs(built, config, trainer=trainer, device=device, reuse=reuse)
+  return programs.train_step, programs.info
 
 
 def abstract_eval_batch(built: Setup, config) -> dict:
@@ -598,17 +686,11 @@ def _signature(tree) -> tuple:
           tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def compile_eval_step(built: Setup, config) -> tuple[Callable, dict]:
-  """``built.eval_step`` compiled ahead of time for the parameters, model
-  state and evaluation batch it runs on (``abstract_eval_batch``), at
-  start-up, so that the first evaluation compiles nothing. Returns ``(step,
-  seconds)``: ``step`` runs the compiled program on batches of that layout
-  and hands any other (a source with other entries) to the jitted step,
-  once with a warning; ``seconds`` as aot.compile_step's."""
-  params, model_state = built.abstract_state["params"], built.abstract_state["model_state"]
-  batch = abstract_eval_batch(built, config)
-  compiled, times = aot.compile_step(built.eval_step, params, model_state, batch)
-  expected = _signature(batch)
+def _eval_step_of(built: Setup, config, compiled) -> Callable:
+  """The compiled eval step for the batches it was compiled for
+  (``abstract_eval_batch``); any other batch (a source with other entries)
+  goes to the jitted step, once with a warning."""
+  expected = _signature(abstract_eval_batch(built, config))
   warned = []
 
   def eval_step(params, model_state, batch):
@@ -620,10 +702,20 @@ def compile_eval_step(built: Setup, config) -> tuple[Callable, dict]:
                       "for (%s): it is compiled now", _signature(batch)[1], expected[1])
     return built.eval_step(params, model_state, batch)
 
-  logging.info("eval step compiled (trace %.1f s, lower %.1f s, compile %.1f s) for batches "
-               "of %d", times["trace_s"], times["lower_s"], times["compile_s"],
-               batch["mask"].shape[0])
-  return eval_step, times
+  return eval_step
+
+
+def compile_eval_step(built: Setup, config) -> tuple[Callable, dict]:
+  """``built.eval_step`` compiled ahead of time for the parameters, model
+  state and evaluation batch it runs on (``abstract_eval_batch``), so that
+  the first evaluation compiles nothing (the loop compiles it in
+  ``compile_programs``, beside the train step). Returns ``(step,
+  seconds)``: ``step`` as ``_eval_step_of``'s; ``seconds`` as
+  aot.compile_step's."""
+  params, model_state = built.abstract_state["params"], built.abstract_state["model_state"]
+  compiled, times = aot.compile_step(built.eval_step, params, model_state,
+                                     abstract_eval_batch(built, config))
+  return _eval_step_of(built, config, compiled), times
 
 
 def eval_view(config, state_shardings) -> Callable[[dict], dict]:
@@ -713,12 +805,25 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   train_source, eval_source = ctx.train_source, ctx.eval_source
   total_steps, steps_per_epoch = ctx.total_steps, built.steps_per_epoch
   state_shardings, eval_step = built.state_shardings, built.eval_step
-  # Compiled before the checkpoint is read or the data flows: a step that
-  # cannot fit the device stops here, naming the fix.
-  train_step, _ = compile_train_step(built, config, trainer=trainer)
-  if config.eval_every_steps:
-    # Beside it, the evaluation step: no evaluation compiles mid-run.
-    eval_step, _ = compile_eval_step(built, config)
+  logging.info("start-up: setup (mesh, data sources, model, shardings): %.1f s",
+               time.perf_counter() - started)
+  # Every program the run uses, compiled (or loaded) side by side before the
+  # checkpoint is read or the data flows: a step that cannot fit the device
+  # stops here, naming the fix; no evaluation compiles mid-run, and the
+  # closing picture nothing after the last step. Which of the initialisation
+  # and the picture it uses, the newest checkpoint's step tells (a hint: a
+  # program it did not foresee is jitted when used).
+  saved = newest_saved_step(workdir)
+  stop_after = config.get("stop_after_steps", 0)
+  finalizes = stop_after <= 0 or (saved or 0) + stop_after >= total_steps
+  programs = compile_programs(
+      built, config, trainer=trainer, eval_step=bool(config.eval_every_steps),
+      init=saved is None,
+      extra=(trainer.finalize_programs(ctx, model, built.abstract_state["params"])
+             if finalizes else None))
+  train_step = programs.train_step
+  eval_step = programs.eval_step or eval_step
+  ctx.compiled.update(programs.extra)
   device = mesh.devices.flat[0]
   if aot.memory_stats(device):
     logging.info("device memory after compiling: %s", _memory_line(aot.memory_stats(device)))
@@ -744,9 +849,12 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
     state = adopt_ema(state, start_step, resume_meta, config, state_shardings)
   else:
-    state = built.init_state()
+    init_started = time.perf_counter()
+    state = built.init_state(programs.init_state)
     params = trainer.load_pretrained(ctx, state["params"])
     state["params"] = jax.device_put(params, state_shardings["params"])
+    jax.block_until_ready(state)
+    logging.info("start-up: initialisation: %.1f s", time.perf_counter() - init_started)
     start_step = 0
     if ckpt.skipped_damaged and is_main and (workdir / "metrics.jsonl").exists():
       # Every checkpoint was damaged: the run starts over, and the records of
@@ -838,7 +946,8 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     clock.tick()
     if step == start_step + 1:
       jax.block_until_ready(metrics["loss"])
-      logging.info("first step done %.1f s after the run started (compilation included)",
+      logging.info("start-up: first batch: waited %.1f s", feed.wait_s)
+      logging.info("start-up: first step done %.1f s after the run started",
                    time.perf_counter() - started)
       clock.skip()    # the first step's compilation is not a step's time
     if step % config.log_every_steps == 0 or step == total_steps:

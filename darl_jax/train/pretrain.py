@@ -6,12 +6,15 @@ loop gives each step: split into the objective's draws (noise levels, noise,
 and a two-stream model's random orderings through the ``noise`` stream) and
 dropout. Validation scores every patch at a fixed gamma grid with fixed noise.
 After training, ``predictions.png`` shows teacher-forced predictions
-(sampling.predict_patches, the sampler's denoising chain).
+(sampling.predict_patches, the sampler's denoising chain), by a program the
+loop compiles at start-up (``finalize_programs``), so that the run ends
+promptly after its last checkpoint.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from PIL import Image
@@ -103,26 +106,81 @@ class PretrainTrainer(loop.Trainer):
       scores.update(self._fewshot(state["params"]))
     return scores
 
+  def finalize_programs(self, ctx, model, abstract_params):
+    """The prediction picture's program (``picture``), compiled by the loop at
+    start-up: ``(params, uint8 images [num, H, W, C], key) -> (images in
+    [-1, 1], teacher-forced predictions)`` for ``predictions.num_images``
+    eval images. None where no picture is made (or on processes other than
+    0, where ``finalize`` makes none)."""
+    num = self.config.predictions.num_images
+    if not num or jax.process_index() != 0:
+      return {}
+    params_sharding, sharding = _picture_shardings(ctx.mesh, abstract_params)
+    h, w, c = ctx.eval_source.image_shape
+    params = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_params, params_sharding)
+    key = jax.random.PRNGKey(0)
+    return {"picture": (self._picture(model), (
+        params, jax.ShapeDtypeStruct((num, h, w, c), jnp.uint8, sharding=sharding),
+        jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding)))}
+
+  def _picture(self, model):
+    def picture(params, images, key):
+      images = loop.model_input({"image": images})["image"]
+      return images, sampling.predict_patches(model, params, images, key,
+                                              num_steps=self.config.predictions.num_steps)
+    return jax.jit(picture)
+
   def finalize(self, ctx, model, state):
-    """Writes ``predictions.png``: originals beside teacher-forced predictions."""
+    """Writes ``predictions.png``: originals beside teacher-forced predictions,
+    by the program compiled at start-up (``ctx.compiled["picture"]``; jitted
+    here where finalize runs outside the loop), so that nothing compiles
+    after the last step."""
     num = self.config.predictions.num_images
     if not num or jax.process_index() != 0:
       return
+    params_sharding, sharding = _picture_shardings(ctx.mesh, state["params"])
     batch = next(iter(ctx.eval_source.eval_batches(num)))
-    images = loop.model_input({"image": batch["image"][:num]})["image"]
-    predict = jax.jit(lambda p, x, r: sampling.predict_patches(
-        model, p, x, r, num_steps=self.config.predictions.num_steps))
-    params = jax.device_get(state["params"])
-    rows = [np.asarray(images)]
+    images = jax.device_put(np.asarray(batch["image"][:num]), sharding)
+    params = jax.tree_util.tree_map(_placed, state["params"], params_sharding)
+    picture = ctx.compiled.get("picture") or self._picture(model)
     samples = 1 if self.config.loss.kind == "mse" else 2
+    rows = []
     for s in range(samples):
-      rows.append(np.asarray(predict(params, images, jax.random.PRNGKey(s))))
+      original, predicted = picture(params, images,
+                                    jax.device_put(jax.random.PRNGKey(s), sharding))
+      rows += [np.asarray(original)] * (s == 0) + [np.asarray(predicted)]
     grid = prediction_grid(rows)
     path = ctx.workdir / "predictions.png"
     Image.fromarray(grid).save(str(path))
     ctx.writer.write_images(int(state["step"]), {"predictions": grid[None]})
     logging.info("wrote %s (columns: original, then %d teacher-forced prediction(s))",
                  path, samples)
+
+
+def _picture_shardings(mesh, params):
+  """Where the picture runs: one process, on the mesh as the parameters lie
+  (nothing moves; images and key replicated); several processes, on process
+  0's first device alone (``finalize`` runs there only, on parameters
+  loop.host_readable replicated). Returns ``(a sharding per parameter, the
+  images' and key's sharding)``."""
+  if jax.process_count() == 1:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree_util.tree_map(lambda x: x.sharding, params), replicated
+  device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+  one = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree_util.tree_map(lambda _: one, params), one
+
+
+def _placed(x, sharding):
+  """``x`` with ``sharding``: already so on one process; with several, the
+  replicated parameters' own copy on this process's device."""
+  if x.sharding == sharding:
+    return x
+  if x.is_fully_replicated:
+    x = x.addressable_data(0)
+  return jax.device_put(x, sharding)
 
 
 def prediction_grid(columns: list[np.ndarray], pad: int = 2, scale: int = 4) -> np.ndarray:
