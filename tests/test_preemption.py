@@ -260,13 +260,22 @@ class _SignalIterator:
     return next(self._it)
 
 
-def test_a_notice_in_process_saves_its_step_and_the_rerun_loses_none(tmp_path,
-                                                                   signals_restored):
-  common = dict(total_steps=12, checkpoint_every_steps=100, ema_decay=0.9)
-  straight = tiny(**common)
-  loop.run(pretrain.PretrainTrainer(straight), straight, str(tmp_path / "a"))
+# One uninterrupted run that the interrupted ones must equal: long enough
+# for a signal from outside to land mid-run, with an EMA in the state.
+STRAIGHT = dict(total_steps=60, checkpoint_every_steps=1000, ema_decay=0.9)
 
-  config = tiny(**common)
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("straight")
+  config = tiny(**STRAIGHT)
+  loop.run(pretrain.PretrainTrainer(config), config, str(workdir))
+  return workdir
+
+
+def test_a_notice_in_process_saves_its_step_and_the_rerun_loses_none(tmp_path, straight,
+                                                                   signals_restored):
+  config = tiny(**STRAIGHT)
   # The feed fetches up to three batches ahead: from the sixth on, the steps
   # (and their watch of the signals) have begun.
   Signalling.at = random.randint(6, 9)
@@ -284,9 +293,9 @@ def test_a_notice_in_process_saves_its_step_and_the_rerun_loses_none(tmp_path,
   assert meta["step"] == stop and "data_state" in meta and "log_window" in meta
 
   loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "b"))
-  assert_same_records(records(tmp_path / "b"), records(tmp_path / "a"))
+  assert_same_records(records(tmp_path / "b"), records(straight))
   for use_ema in (False, True):
-    want, _ = checkpoint_lib.restore_params(str(tmp_path / "a"), use_ema=use_ema)
+    want, _ = checkpoint_lib.restore_params(str(straight), use_ema=use_ema)
     got, _ = checkpoint_lib.restore_params(str(tmp_path / "b"), use_ema=use_ema)
     for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -350,14 +359,11 @@ CLI_COMMON = ("--config.eval_every_steps=0", "--config.predictions.num_images=0"
 
 
 def test_cli_sigterm_at_a_random_step_saves_it_and_the_rerun_equals_a_straight_run(
-    tmp_path):
-  total = 60
-  straight = tiny(total_steps=total, checkpoint_every_steps=1000)
-  loop.run(pretrain.PretrainTrainer(straight), straight, str(tmp_path / "straight"))
-
+    tmp_path, straight):
   wd = tmp_path / "wd"
-  cmd = [sys.executable, "-m", "darl_jax.main", f"--config={TINY}:steps={total}",
-         f"--workdir={wd}", *CLI_COMMON]
+  cmd = [sys.executable, "-m", "darl_jax.main",
+         f"--config={TINY}:steps={STRAIGHT['total_steps']}", f"--workdir={wd}", *CLI_COMMON,
+         f"--config.ema_decay={STRAIGHT['ema_decay']}"]
   log = tmp_path / "first.log"
   with open(log, "w") as out:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -381,7 +387,7 @@ def test_cli_sigterm_at_a_random_step_saves_it_and_the_rerun_equals_a_straight_r
                          timeout=240)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"at step {stop}" in rerun.stderr                  # 0 steps lost
-  assert_same_records(records(wd), records(tmp_path / "straight"))
+  assert_same_records(records(wd), records(straight))
 
 
 def _free_port() -> int:
