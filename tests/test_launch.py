@@ -399,6 +399,12 @@ def test_tpu_vm_reruns_the_training_while_it_stops_at_a_preemption(
                         f"--workdir={GCS}"}
 
 
+def test_the_launchers_requeue_on_the_status_a_preempted_run_exits_with():
+  import launchlib  # pylint: disable=g-import-not-at-top
+  from darl_jax import preemption  # pylint: disable=g-import-not-at-top
+  assert launchlib.PREEMPTED == slurm.PREEMPTED == preemption.EXIT_STATUS == 143
+
+
 def test_tpu_vm_max_restarts_zero_is_the_plain_command(capsys):
   out = run(tpu_vm, capsys, "--tpu_name=t1", "--zone=z", "--steps=run", "--max_restarts=0",
             "--config=experiments/vit_b16_diff.py", f"--workdir={GCS}", "--dry_run")
