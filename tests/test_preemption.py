@@ -425,7 +425,9 @@ def test_two_processes_save_the_same_step_when_one_gets_the_signal(tmp_path):
   texts = [l.read_text() for l in logs]
   assert statuses == [143, 143], "\n".join(t[-3000:] for t in texts)
   [stop] = steps_on_disk(wd)
-  assert sent <= stop <= sent + 6 and took < deadline, (sent, stop, took)
+  # The proposer's step plus the agreement's margin (3), the two processes'
+  # hosts up to two steps apart, and the poll's lag.
+  assert sent < stop <= sent + 8 and took < deadline, (sent, stop, took)
   for text in texts:
     assert f"every process stops and saves at step {stop}" in text
     assert f"the checkpoint of step {stop} is committed" in text
