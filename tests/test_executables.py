@@ -146,7 +146,7 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   for name in PROGRAMS:
     line = next(l for l in log.splitlines() if f"start-up: {name}: " in l)
     assert ", load " in line and "compile" not in line, line
-  assert "4 programs ready" in log and "0 compiled side by side, 4 loaded" in log
+  assert "4 programs ready" in log and "(0 compiled, 1 at a time; 4 loaded)" in log
   assert (tmp_path / "b" / "predictions.png").exists()
   # The loaded programs compute what the compiled ones did.
   scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))

@@ -371,3 +371,46 @@ def test_startup_benchmark_runs_a_config_cold_then_warm(tmp_path):
   assert "phase: train step compile" in rows["cold"]
   table = done.stdout[done.stdout.index("| | cold | warm |"):]
   assert "| first_step_s |" in table and "| exit_after_last_checkpoint_s |" in table
+
+
+def test_programs_compile_side_by_side_on_threads(monkeypatch, caplog):
+  """Four small programs compiled by four threads at once compute what they
+  compute jitted; a bad DARL_COMPILE_THREADS is one error naming the fix."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("DARL_COMPILE_THREADS", "4")
+  caplog.set_level(py_logging.INFO)
+  x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  fns = {f"power {k}": jax.jit(lambda a, k=k: jnp.tanh(a @ a.T) ** k + k) for k in range(4)}
+  programs = [aot.Program(name, fn, (x,)) for name, fn in fns.items()]
+  aot.compile_programs(programs)
+  assert "(4 compiled, 4 at a time; 0 loaded)" in caplog.text
+  value = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  for program in programs:
+    np.testing.assert_allclose(np.asarray(program.compiled(value)),
+                               np.asarray(fns[program.name](value)), rtol=1e-5)
+  monkeypatch.setenv("DARL_COMPILE_THREADS", "many")
+  with pytest.raises(config_lib.ConfigError, match="DARL_COMPILE_THREADS"):
+    aot.compile_threads(4)
+  monkeypatch.delenv("DARL_COMPILE_THREADS")
+  assert aot.compile_threads(0) == 1 and 1 <= aot.compile_threads(100)
+
+
+def test_the_ema_average_evaluation_sees_is_compiled_at_start_up():
+  config = tiny(2, ema_decay=0.9)
+  trainer = pretrain.PretrainTrainer(config)
+  built = loop.setup(trainer, config)
+  programs = loop.compile_programs(built, config, trainer=trainer, init=True, view=True,
+                                   reuse=False)
+  assert set(programs.info["programs"]) == {"train step", "init step", "ema average"}
+  state = built.init_state(programs.init_state)
+  state, _ = programs.train_step(state, jax.device_put(
+      {"image": np.full((16, 8, 8, 1), 7, np.uint8), "label": np.zeros(16, np.int32)},
+      built.batch_sharding), built.hyper(0))
+  seen, want = programs.eval_view(state), built.eval_view(state)
+  for a, b in zip(jax.tree.leaves(seen["params"]), jax.tree.leaves(want["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(seen["params"]),
+                                                      jax.tree.leaves(state["params"])))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import re
 import time
 from typing import Callable
@@ -348,6 +349,17 @@ def describe_estimate(config, mesh_shape: dict, microbatch: int) -> str | None:
 
 # ------------------------------------------------- every program at start-up
 
+# Host cores per program compiled at once. XLA's compile of one program
+# keeps about one core busy for most of its passes, but not only one (LLVM
+# code generation fans out), and four programs at once on a 2-core host
+# shared with other work took 1.3-1.5x the time of one after the other
+# (70.7 and 73.9 s against 57.4 and 48.4 s for the Fashion-MNIST default
+# with a diffusion decoder). So a 2-core host compiles one at a time and a
+# GPU host's 16 cores four at once (not measured yet:
+# benchmarks/startup_benchmark.py with DARL_COMPILE_THREADS=1 against the
+# default measures it).
+COMPILE_CORES = 4
+
 
 @dataclasses.dataclass
 class Program:
@@ -418,11 +430,28 @@ class Program:
     return ", ".join(f"{k} {v:.1f} s" for k, v in self.times.items())
 
 
+def compile_threads(num_programs: int) -> int:
+  """How many programs compile at once: ``DARL_COMPILE_THREADS`` if set,
+  else one per COMPILE_CORES host cores this process may use (at least 1),
+  at most ``num_programs``."""
+  forced = os.environ.get("DARL_COMPILE_THREADS", "")
+  if forced:
+    if not forced.isdigit() or int(forced) < 1:
+      raise config_lib.ConfigError(
+          f"DARL_COMPILE_THREADS={forced!r}: set it to a whole number >= 1 (programs "
+          "compiled at once) or unset it")
+    threads = int(forced)
+  else:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // COMPILE_CORES)
+  return max(1, min(threads, num_programs))
+
+
 def compile_programs(programs: list[Program], *, after: Callable | None = None) -> float:
   """Every one of ``programs`` traced, then loaded or lowered, one after the
-  other in this thread (Python work, under the GIL), then compiled all at
-  once on a thread pool: XLA's compile releases the GIL, so the programs
-  compile side by side. ``after(program)`` then runs on each program in
+  other in this thread (Python work, under the GIL), then compiled on a
+  thread pool of :func:`compile_threads`: XLA's compile releases the GIL,
+  so with host cores to spare the programs compile side by side. ``after(program)`` then runs on each program in
   this thread (the train step's memory check and automatic microbatch,
   which may compile it again); it may raise, and a program XLA refused for
   want of memory that it leaves uncompiled raises CompilerOutOfMemory.
@@ -435,8 +464,8 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
     if not program.load():
       program.lower()
       to_compile.append(program)
-  with concurrent.futures.ThreadPoolExecutor(max(len(to_compile), 1),
-                                             thread_name_prefix="compile") as pool:
+  threads = compile_threads(len(to_compile))
+  with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
     futures = {pool.submit(program.compile): program for program in to_compile}
     try:
       for future in concurrent.futures.as_completed(futures):
@@ -454,6 +483,7 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
     logging.info("start-up: %s: %s", program.name, program.describe())
   seconds = time.perf_counter() - t0
   if len(programs) > 1:
-    logging.info("start-up: %d programs ready in %.1f s (%d compiled side by side, %d loaded)",
-                 len(programs), seconds, len(to_compile), len(programs) - len(to_compile))
+    logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
+                 len(programs), seconds, len(to_compile), threads,
+                 len(programs) - len(to_compile))
   return seconds

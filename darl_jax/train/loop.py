@@ -541,17 +541,20 @@ class Programs:
   eval_step: Callable | None     # see compile_eval_step
   init_state: Any                # the compiled init_step, or None
   extra: dict                    # name -> compiled, of Trainer.finalize_programs
+  eval_view: Callable | None = None   # eval_view with its EMA average compiled
 
 
 def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: bool = True,
-                     eval_step: bool = False, init: bool = False,
+                     eval_step: bool = False, init: bool = False, view: bool = False,
                      extra: dict | None = None) -> Programs:
   """Every program a run uses, compiled at start-up before the checkpoint is
   read or the data flows (train/aot.py's compile_programs: traced and
   lowered in turn, compiled side by side): the train step for the state
   and batch it runs on, with ``eval_step`` the evaluation step, with
-  ``init`` the state's initialisation, and ``extra`` (``{name: (jitted,
-  abstract args)}``, a trainer's finalize_programs).
+  ``init`` the state's initialisation, with ``view`` the EMA average
+  evaluation and finalize see (eval_view, where there is one), and
+  ``extra`` (``{name: (jitted, abstract args)}``, a trainer's
+  finalize_programs).
 
   The train step's memory is checked against ``device``'s (default: the
   mesh's first) before any step runs: a step that cannot fit raises
@@ -600,6 +603,11 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
                                 (built.abstract_init_rng(),), path_for("init step")))
   for name, (jitted, abstract_args) in (extra or {}).items():
     programs.append(aot.Program(name, jitted, tuple(abstract_args), path_for(name)))
+  # What evaluation and finalize see with an EMA: its average, compiled too.
+  averages = view and "ema" in state and config.get("eval_with_ema", True)
+  if averages:
+    programs.append(aot.Program("ema average", ema_average_step(built.state_shardings),
+                                (state["ema"], state["params"]), path_for("ema average")))
 
   def choose(program):
     if program is not train or "load" in train.times:
@@ -647,7 +655,9 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
       eval_step=(_eval_step_of(built, config, by_name["eval step"].compiled)
                  if eval_step else None),
       init_state=by_name["init step"].compiled if init else None,
-      extra={name: by_name[name].compiled for name in (extra or {})})
+      extra={name: by_name[name].compiled for name in (extra or {})},
+      eval_view=(eval_view(config, built.state_shardings, by_name["ema average"].compiled)
+                 if averages else None))
 
 
 def newest_saved_step(workdir) -> int | None:
@@ -718,15 +728,21 @@ def compile_eval_step(built: Setup, config) -> tuple[Callable, dict]:
   return _eval_step_of(built, config, compiled), times
 
 
-def eval_view(config, state_shardings) -> Callable[[dict], dict]:
+def eval_view(config, state_shardings, average=None) -> Callable[[dict], dict]:
   """``state -> state`` as evaluation, ``extra_eval`` and ``finalize`` see it:
   with an EMA (``ema_decay > 0``) and ``eval_with_ema`` (default True) its
   ``params`` are the averaged ones (a new tree beside the state's; the
-  state itself is unchanged), otherwise the state as it is."""
+  state itself is unchanged; ``average``: ``ema_average_step`` compiled),
+  otherwise the state as it is."""
   if "ema" not in state_shardings or not config.get("eval_with_ema", True):
     return lambda state: state
-  averaged = jax.jit(ema_lib.average, out_shardings=state_shardings["params"])
+  averaged = average or ema_average_step(state_shardings)
   return lambda state: {**state, "params": averaged(state["ema"], state["params"])}
+
+
+def ema_average_step(state_shardings) -> Callable:
+  """The jitted ``(ema, params) -> averaged params`` eval_view runs."""
+  return jax.jit(ema_lib.average, out_shardings=state_shardings["params"])
 
 
 def _memory_line(stats: dict) -> str:
@@ -818,9 +834,10 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   finalizes = stop_after <= 0 or (saved or 0) + stop_after >= total_steps
   programs = compile_programs(
       built, config, trainer=trainer, eval_step=bool(config.eval_every_steps),
-      init=saved is None,
+      init=saved is None, view=bool(config.eval_every_steps) or finalizes,
       extra=(trainer.finalize_programs(ctx, model, built.abstract_state["params"])
              if finalizes else None))
+  built.eval_view = programs.eval_view or built.eval_view
   train_step = programs.train_step
   eval_step = programs.eval_step or eval_step
   ctx.compiled.update(programs.extra)
