@@ -59,8 +59,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.compilation_cache_dir = "~/.cache/darl_jax/jax"
   # Gradient accumulation (train/accumulate.py): global examples per
   # microbatch. 0 = the whole batch at once; -1 = the largest microbatch
-  # whose compiled step fits the device (train/aot.py). The recipe (batch,
-  # learning rate, schedule, EMA) is batch_size's either way.
+  # that fits the device, chosen from memory.py's estimate before anything
+  # compiles and checked on the compiled step (train/aot.py; on a CPU, whose
+  # memory is not checked, the whole batch). The recipe (batch, learning
+  # rate, schedule, EMA) is batch_size's either way.
   c.microbatch_size = 0
   # The memory the train step may use per device, in GiB, checked against
   # XLA's figure of the compiled step before the first step. 0 = the
