@@ -222,9 +222,10 @@ def resolve_total_steps(config, steps_per_epoch: int) -> int:
 # Model keys that may change between a checkpoint and its resumed run:
 # resolution, precision and memory knobs, not the parameters' shapes (and
 # the kernel choices that configs written before ``config.kernels`` kept
-# under ``model``).
+# under ``model``); scan_layers stacks the blocks' parameters, which a resume
+# converts (darl_jax/layer_layout.py).
 RESUMABLE_MODEL_KEYS = ("image_size", "reference_image_size", "dtype", "remat", "drop_path",
-                        "attention_impl", "mlp_impl", "norm_impl")
+                        "scan_layers", "attention_impl", "mlp_impl", "norm_impl")
 
 
 def _architecture(config) -> dict:
@@ -293,7 +294,9 @@ def check_resume_compatible(meta: dict, config) -> None:
   if saved is None:
     return
   if isinstance(saved.get("model"), dict):
-    saved = {**saved, "model": {**ADDED_MODEL_KEYS, **saved["model"]}}
+    # Keys made resumable since the checkpoint was written are left out too.
+    saved = {**saved, "model": {k: v for k, v in {**ADDED_MODEL_KEYS, **saved["model"]}.items()
+                                if k not in RESUMABLE_MODEL_KEYS}}
   now = json.loads(json.dumps(_architecture(config), default=str))
   diffs = config_diff(saved, now)
   if diffs:

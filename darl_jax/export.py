@@ -53,6 +53,7 @@ import numpy as np
 from etils import epath
 
 from darl_jax import cli as cli_lib
+from darl_jax import layer_layout
 from darl_jax import ops
 from darl_jax.models import decoders as decoders_lib
 from darl_jax.models import posenc as posenc_lib
@@ -334,7 +335,9 @@ def export_params(params: dict, config: dict, out: str, *, with_decoder: bool = 
                         f"(top-level keys: {sorted(params)}); it is not a pretraining "
                         "checkpoint")
     decoder = decoder_spec(config, spec)
-    tensors.update(torch_tensors(params["decoder"], "decoder."))
+    # A scanned decoder's stacked blocks export as its unrolled block_<i>.
+    unrolled = layer_layout.unscan(dict(params["decoder"]), name=lambda i: f"block_{i}")
+    tensors.update(torch_tensors(unrolled, "decoder."))
   model_cfg, loss = config["model"], config.get("loss", {})
   sidecar = {
       "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": "float32",

@@ -206,7 +206,8 @@ OPTION_CASES = [
     {"model.posenc": "none", "model.drop_path": 0.1, "loss.norm_pix": True},
     {"model.posenc": "sincos2d", "model.causal": False, "model.ordering": "nested_raster"},
     {"model.posenc": "learned", "model.dtype": "bfloat16", "model.ordering": "round_robin"},
-    {"model.posenc": "rope1d", "model.scan_layers": True, "model.remat": "full"},
+    {"model.posenc": "rope1d", "model.scan_layers": True, "model.remat": "full",
+     "model.drop_path": 0.2},
     {"model.remat": "save_dots", "model.scan_layers": True,
      "decoder.kind": "mlp", "decoder.depth": 2},
     {"model.remat": "full", "decoder.kind": "mlp", "decoder.depth": 0},
@@ -216,7 +217,7 @@ OPTION_CASES = [
     {"loss.kind": "diffusion", "decoder.kind": "transformer", "decoder.depth": 0},
     {"loss.kind": "diffusion", "decoder.kind": "transformer", "decoder.depth": 2,
      "decoder.gamma_conditioning": True, "loss.predict": "eps", "loss.noise_samples": 3,
-     "loss.noise_a": 0.03, "model.dtype": "bfloat16"},
+     "loss.noise_a": 0.03, "model.dtype": "bfloat16", "model.scan_layers": True},
 ]
 
 
@@ -240,24 +241,6 @@ def test_every_option_runs_forward_and_backward(over):
   assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
   if over.get("loss.kind") == "diffusion":
     assert "loss_gamma_bin_00" in metrics
-
-
-def test_scan_and_unrolled_layers_compute_the_same_function():
-  x = images()
-  unrolled = darl_lib.darl_from_config(tiny_config())
-  scanned = darl_lib.darl_from_config(tiny_config(**{"model.scan_layers": True}))
-  p_scan = init(scanned, x)
-  # Unstack the scanned parameters into per-block trees.
-  p_unrolled = dict(p_scan)
-  backbone = dict(p_scan["backbone"])
-  stacked = backbone.pop("blocks")["block"]
-  for i in range(2):
-    backbone[f"block_{i:02d}"] = jax.tree_util.tree_map(lambda a: a[i], stacked)
-  p_unrolled["backbone"] = backbone
-  a = scanned.apply({"params": p_scan}, x, train=False)["z"]
-  b = unrolled.apply({"params": p_unrolled}, x, train=False)["z"]
-  # Features of order 1: scan and unrolled blocks fuse differently (float32).
-  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_backbone_returns_every_block_by_name():

@@ -20,7 +20,8 @@ So a block hands on ``(x, branch)`` un-added, and the stack keeps that pair
 as its carry (a scan starts from a zero branch: ``x + (0 + 0)`` is ``x``).
 The per-block outputs ``x + branch`` are computed for the probes; XLA drops
 them where unused. Chosen by ``ops.block_stack`` as a unit (``kernels.norm
-= 'triton'``) for stacks without drop path or remat.
+= 'triton'``) for stacks without remat and without drop path in training
+(evaluation of a model trained with drop path fuses, unrolled or scanned).
 
 The attention and MLP inside run whatever darl_jax/ops.py chose for them:
 ops.block_stack hands its own ops in (``StackOps``), so this module, like
@@ -42,7 +43,7 @@ from darl_jax.kernels import per_shard
 # file implements (models/vit.py): when that code changes, ops.block_stack
 # runs the plain blocks instead (and says so) until the change is ported
 # here and this is updated.
-WRITTEN_FOR = "3075aab169fb4867"
+WRITTEN_FOR = "11312bd9d47ec99c"
 
 
 @dataclasses.dataclass(frozen=True)

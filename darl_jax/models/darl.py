@@ -140,7 +140,7 @@ def darl_from_config(config) -> DARL:
   decoder = decoders_lib.decoder_from_config(
       config.decoder, patch_dim=patch * patch * config.model.get("channels", 3),
       backbone_width=backbone.width, backbone_heads=backbone.num_heads,
-      dtype=backbone.dtype)
+      dtype=backbone.dtype, scan_layers=backbone.scan_layers)
   prefix = config.model.get("prefix", "off")
   if prefix not in PREFIXES:
     raise ValueError(f"unknown model.prefix {prefix!r}; valid: {', '.join(PREFIXES)}")

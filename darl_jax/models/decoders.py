@@ -49,7 +49,10 @@ class PatchDecoder(nn.Module):
     one that carries the corrupted patch: the decoder refines its own noisy
     input while the first token only supplies the autoregressive context, the
     usual arrangement of a conditional denoiser (the paper does not say which
-    token it reads).
+    token it reads). With ``scan_layers`` (the backbone's ``model.scan_layers``)
+    its first ``depth - 1`` blocks run as one ``nn.scan`` (parameters stacked
+    under ``blocks/block``); the last, in the read-out mode, stays
+    ``block_<depth-1>``.
   """
   kind: str
   patch_dim: int
@@ -59,6 +62,7 @@ class PatchDecoder(nn.Module):
   mlp_ratio: int = 4
   gamma_conditioning: bool = False
   dtype: Any = jnp.float32
+  scan_layers: bool = False
 
   @nn.compact
   def __call__(self, z, x_noisy=None, gamma=None):
@@ -94,8 +98,13 @@ class PatchDecoder(nn.Module):
                  causal=False, dtype=self.dtype)
     if self.depth > 1:
       h = jnp.concatenate([context, token], axis=1)
-      for i in range(self.depth - 1):
-        h = vit_lib.Block(name=f"block_{i}", **block)(h)
+      if self.scan_layers:
+        stack = vit_lib.scan_blocks(vit_lib.ScanBlock, self.depth - 1, "blocks",
+                                    block_kwargs=block, emit=False)
+        h, _ = stack(h, None, None, None)
+      else:
+        for i in range(self.depth - 1):
+          h = vit_lib.Block(name=f"block_{i}", **block)(h)
       context, token = h[:, :1], h[:, 1:]
     # Only the second token's output is read, so the last block computes
     # that token's output alone, the first token giving keys and values
@@ -106,9 +115,10 @@ class PatchDecoder(nn.Module):
 
 
 def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
-                        backbone_heads: int, dtype) -> PatchDecoder:
+                        backbone_heads: int, dtype, scan_layers: bool = False) -> PatchDecoder:
   """``config.decoder``: kind, depth, width (0 = backbone width), num_heads
-  (0 = backbone heads), gamma_conditioning."""
+  (0 = backbone heads), gamma_conditioning. ``scan_layers``: the backbone's
+  (``model.scan_layers``), so that one flag scans every stack of blocks."""
   get = lambda k, d=None: decoder_cfg.get(k, d)
   return PatchDecoder(
       kind=check_decoder(get("kind", "linear")),
@@ -117,4 +127,4 @@ def decoder_from_config(decoder_cfg, *, patch_dim: int, backbone_width: int,
       width=get("width", 0) or backbone_width,
       num_heads=get("num_heads", 0) or backbone_heads,
       gamma_conditioning=get("gamma_conditioning", False),
-      dtype=dtype)
+      dtype=dtype, scan_layers=scan_layers)

@@ -66,12 +66,16 @@ class Mlp(nn.Module):
 
 
 class DropPath(nn.Module):
-  """Stochastic depth: drops the whole residual branch per example."""
-  rate: float
+  """Stochastic depth: drops the whole residual branch per example.
+
+  ``rate`` is a Python float, or a traced scalar where a scanned stack hands
+  each layer its own rate as the scan's input (models/vit.py); a traced 0
+  keeps every example (a Bernoulli draw of probability 1)."""
+  rate: float | jax.Array
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
-    if deterministic or self.rate == 0.0:
+    if deterministic or (isinstance(self.rate, (int, float)) and self.rate == 0.0):
       return x
     keep = 1.0 - self.rate
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from darl_jax import layer_layout
 from darl_jax import ops
 from darl_jax.models import attention as attention_lib
 from darl_jax.models import layers
@@ -68,7 +69,7 @@ class Block(nn.Module):
   num_heads: int
   mlp_dim: int
   causal: bool = True
-  drop_path: float = 0.0
+  drop_path: float | jax.Array = 0.0   # traced in a scanned stack (ScanBlock)
   dtype: Any = jnp.float32
   cache_len: int = 0
 
@@ -92,14 +93,33 @@ class Block(nn.Module):
 
 
 class ScanBlock(nn.Module):
-  """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants."""
+  """``Block`` in the (carry, x) -> (carry, y) form that ``nn.scan`` wants.
+
+  ``rate`` is the scanned input: this layer's drop path rate (a traced
+  scalar, one entry of the stack's per-layer rates), or None for a stack
+  without drop path. ``emit``: return each layer's output as the scan's
+  output (the backbone's ``block_XX``), or nothing (the decoder reads only
+  the last)."""
   block_kwargs: dict
   deterministic: bool = True
+  emit: bool = True
 
   @nn.compact
-  def __call__(self, x, rope, mask):
-    x = Block(**self.block_kwargs, name="block")(x, rope, mask, self.deterministic)
-    return x, x
+  def __call__(self, x, rate, rope, mask):
+    kwargs = self.block_kwargs if rate is None else {**self.block_kwargs, "drop_path": rate}
+    x = Block(**kwargs, name="block")(x, rope, mask, self.deterministic)
+    return x, (x if self.emit else None)
+
+
+def scan_blocks(block: type, length: int, name: str, **kwargs) -> nn.Module:
+  """``length`` layers of ``block`` (a ``ScanBlock``, possibly rematerialised)
+  as one ``nn.scan``: parameters stacked on a leading layer axis under
+  ``<name>/block``, one dropout key per layer, the drop path rates scanned
+  (``in_axes=0``), RoPE tables and mask the same for every layer."""
+  stack = nn.scan(block, variable_axes={"params": 0},
+                  split_rngs={"params": True, "dropout": True},
+                  in_axes=(0, nn.broadcast, nn.broadcast), length=length)
+  return stack(name=name, **kwargs)
 
 
 REMAT_POLICIES = {"full": None,
@@ -137,10 +157,15 @@ class ViT(nn.Module):
   remat: str = "none"   # none | full | save_dots
   cache_len: int = 0
 
+  def drop_path_rates(self) -> list[float]:
+    """Each block's drop path rate: from 0 at the first block linearly up to
+    ``drop_path`` at the last."""
+    return [self.drop_path * i / max(self.depth - 1, 1) for i in range(self.depth)]
+
   def _block_kwargs(self, i: int) -> dict:
-    rate = self.drop_path * i / max(self.depth - 1, 1)  # linearly increasing
     return dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, causal=self.causal,
-                drop_path=rate, dtype=self.dtype, cache_len=self.cache_len)
+                drop_path=self.drop_path_rates()[i], dtype=self.dtype,
+                cache_len=self.cache_len)
 
   def embed_tokens(self, patches, rows, cols, index, grid_hw, prepend_sos: bool):
     """Patch embedding, additive positions, SOS and the RoPE tables.
@@ -206,9 +231,6 @@ class ViT(nn.Module):
       raise ValueError("cached decoding needs a causal backbone (model.causal=True)")
     if self.remat not in ("none", *REMAT_POLICIES):
       raise ValueError(f"unknown remat {self.remat!r}; valid: none, {', '.join(REMAT_POLICIES)}")
-    if self.scan_layers and self.drop_path:
-      raise ValueError("scan_layers needs drop_path == 0 (per-layer rates differ); "
-                       "set model.scan_layers=False to use drop path")
     x, rope = self.embed_tokens(patches, rows, cols, index, grid_hw, prepend_sos)
     if (not self.is_initializing() and not self.cache_len and self.remat == "none"
         and (self.drop_path == 0 or not train)):
@@ -223,10 +245,12 @@ class ViT(nn.Module):
     if self.scan_layers:
       scan_cls = ScanBlock if self.remat == "none" else nn.remat(
           ScanBlock, policy=REMAT_POLICIES[self.remat])
-      stack = nn.scan(scan_cls, variable_axes={"params": 0},
-                      split_rngs={"params": True, "dropout": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=self.depth)
-      x, ys = stack(self._block_kwargs(0), not train, name="blocks")(x, rope, mask)
+      # Drop path's per-layer rates enter as the scan's input, one per layer.
+      rates = (jnp.asarray(self.drop_path_rates(), jnp.float32)
+               if train and self.drop_path else None)
+      stack = scan_blocks(scan_cls, self.depth, "blocks",
+                          block_kwargs=self._block_kwargs(0), deterministic=not train)
+      x, ys = stack(x, rates, rope, mask)
       out.update({f"block_{i:02d}": ys[i] for i in range(self.depth)})
     else:
       block_cls = Block if self.remat == "none" else nn.remat(
@@ -241,8 +265,8 @@ class ViT(nn.Module):
 # The code that the fused stack (ops.block_stack, kernels/fused_stack.py)
 # re-implements. After an edit to any of it the plain blocks run, with a
 # warning, until the change is ported to the fused stack.
-FUSED_BLOCK_CODE = (Block, ViT.__call__, attention_lib.Attention, layers.DenseParams,
-                    layers.LayerNorm, layers.Mlp, layers.DropPath)
+FUSED_BLOCK_CODE = (Block, ScanBlock, ViT.__call__, attention_lib.Attention,
+                    layers.DenseParams, layers.LayerNorm, layers.Mlp, layers.DropPath)
 
 
 def prefix_causal_mask(prefix, length: int):
@@ -309,10 +333,6 @@ def dtype_from_name(name):
 def unscan_params(params: dict, depth: int) -> dict:
   """Backbone parameters of ``scan_layers=True`` (stacked under ``blocks/block``)
   -> the per-block ``block_XX`` layout; other trees are returned as they are."""
-  if "blocks" not in params:
+  if not layer_layout.is_stack(params.get(layer_layout.SCANNED)):
     return params
-  out = {k: v for k, v in params.items() if k != "blocks"}
-  stacked = params["blocks"]["block"]
-  for i in range(depth):
-    out[f"block_{i:02d}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
-  return out
+  return layer_layout.unstack(params, [f"block_{i:02d}" for i in range(depth)])

@@ -45,6 +45,7 @@ from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import ema as ema_lib
 from darl_jax import files
+from darl_jax import layer_layout
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
 from darl_jax import optim
@@ -324,10 +325,34 @@ def init_state_fn(trainer: Trainer, model, tx, init_batch, ema_decay: float = 0.
 
 def restore_target(abstract_state: dict, saved) -> dict:
   """The abstract state to restore a checkpoint whose state tree is ``saved``
-  (Orbax metadata; None where it does not read) as: ``abstract_state``,
-  except that a run with an EMA reads a checkpoint without one (the EMA is
-  turned on at this resume) or with an earlier fine-tuning run's EMA in
-  ``model_state["ema"]``; ``adopt_ema`` then completes the state."""
+  (Orbax metadata; None where it does not read) as: ``ema_target``'s, in
+  the checkpoint's block layout (darl_jax/layer_layout.py: a checkpoint of
+  the unrolled blocks resumes a scanned run and the other way round);
+  ``adopt_layout`` then brings the restored state into this run's."""
+  return layer_layout.convert(ema_target(abstract_state, saved), saved)
+
+
+def adopt_layout(state: dict, abstract_state: dict, step: int) -> dict:
+  """A restored state in this run's block layout (``model.scan_layers``),
+  its arrays stacked or unstacked on the devices into the run's shardings;
+  logs one line when it converts. (No buffer donation: the stacked and the
+  per-block arrays differ in shape, so none could be reused.)"""
+  like = ema_target(abstract_state, state)
+  if not layer_layout.differs(state, like):
+    return state
+  logging.info("the checkpoint at step %d holds %s blocks: converted to this run's %s "
+               "layout (model.scan_layers)", step, layer_layout.describe(state["params"]),
+               layer_layout.describe(like["params"]))
+  shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
+  return jax.jit(functools.partial(layer_layout.convert, like=like),
+                 out_shardings=shardings)(state)
+
+
+def ema_target(abstract_state: dict, saved) -> dict:
+  """``abstract_state``, except that a run with an EMA reads a checkpoint
+  without one (the EMA is turned on at this resume) or with an earlier
+  fine-tuning run's EMA in ``model_state["ema"]``; ``adopt_ema`` then
+  completes the state."""
   if "ema" not in abstract_state or not isinstance(saved, dict) or "ema" in saved:
     return abstract_state
   target = {k: v for k, v in abstract_state.items() if k != "ema"}
@@ -864,6 +889,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   if resumed is not None:
     start_step, state, resume_meta = resumed
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
+    state = adopt_layout(state, built.abstract_state, start_step)
     state = adopt_ema(state, start_step, resume_meta, config, state_shardings)
   else:
     init_started = time.perf_counter()

@@ -13,8 +13,7 @@ Rules (so a wrong checkpoint cannot pass silently):
   the parameter and both shapes (usually another model variant or patch size);
 * a leaf under a prefix that must come from the checkpoint (``required``,
   default ``("backbone",)``) but is missing from it is a ``ValueError``
-  listing the missing paths (e.g. a checkpoint saved with
-  ``model.scan_layers=True`` restored into an unscanned model);
+  listing the missing paths (e.g. a checkpoint of a shallower model);
 * dtypes follow the downstream model (a bfloat16 checkpoint loads into float32
   parameters);
 * the model keys that change what the same parameters compute without
@@ -22,6 +21,11 @@ Rules (so a wrong checkpoint cannot pass silently):
   match the config stored with the checkpoint (the config it was trained
   with, never a config.json a later command could have rewritten); a
   ``ValueError`` names them.
+
+The blocks' layout needs nothing either: a checkpoint saved with
+``model.scan_layers`` (blocks stacked under ``blocks/block``) initialises
+an unrolled model (``block_XX``) and the other way round, converted first
+(darl_jax/layer_layout.py, logged).
 
 Resolution changes need nothing here: position tables keep their shape
 (``model.reference_image_size`` = the pretraining size makes the backbone
@@ -39,6 +43,7 @@ from absl import logging
 
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import files
+from darl_jax import layer_layout
 from darl_jax import optim
 
 
@@ -97,6 +102,15 @@ def merge(target, pretrained, *, required: tuple[str, ...] = ("backbone",)):
     ``(params, report)``: params with the target's structure, host numpy leaves
     where loaded and the target's own leaves elsewhere, and a ``RestoreReport``.
   """
+  if layer_layout.differs(pretrained, target):
+    logging.info("the checkpoint holds %s blocks: converted to the model's %s layout "
+                 "(model.scan_layers)", layer_layout.describe(pretrained),
+                 layer_layout.describe(target))
+    try:
+      pretrained = layer_layout.convert(pretrained, target)
+    except ValueError as e:
+      raise ValueError(f"the checkpoint does not fit the model ({e}); check "
+                       "model.variant/depth against the pretraining config") from None
   tgt = flatten(target)
   src = flatten(pretrained)
   mismatched = []
@@ -114,8 +128,7 @@ def merge(target, pretrained, *, required: tuple[str, ...] = ("backbone",)):
     raise ValueError(
         f"the checkpoint lacks {len(missing)} backbone parameter(s) of the model, e.g. "
         f"{', '.join(missing[:5])}; it has e.g. {', '.join(sorted(src)[:5])}. Check "
-        "model.variant/width/depth, model.posenc and model.scan_layers against the "
-        "pretraining config")
+        "model.variant/width/depth and model.posenc against the pretraining config")
   out = {}
   for path, leaf in tgt.items():
     if path in src:
