@@ -133,3 +133,15 @@ def pytest_sessionfinish(session, exitstatus):
     else:
       print(message)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_programs():
+  """Each test traces the kernels anew: per_shard shares one jitted program
+  per kernel call site across a process (kernels/per_shard.py), which would
+  keep a test's monkeypatched kernel function out of a later test's trace."""
+  import sys
+  per_shard = sys.modules.get("darl_jax.kernels.per_shard")
+  if per_shard is not None:
+    per_shard._SHARED.clear()
+  yield

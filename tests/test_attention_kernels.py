@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from darl_jax import config_lib, ops
+from darl_jax.kernels import per_shard
 from darl_jax.kernels import hopper_attention as ha
 from darl_jax.models import attention, posenc, vit
 
@@ -460,6 +461,7 @@ def test_hopper_attention_is_the_same_attention(monkeypatch):
   for name in ("causal_attention", "causal_attention_qkv", "causal_attention_projected"):
     monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
                         calls.append(_n) or _f(*a, **kw))
+    per_shard._SHARED.clear()   # kernels traced before the patch are traced again
   # RoPE shared by the batch: the projection's product in our kernel, its
   # bias and RoPE in the epilogue; no RoPE: the packed path on XLA's
   # product; per-image RoPE: rotated in XLA, then the kernels
@@ -486,6 +488,7 @@ def test_head_dim_80_takes_xlas_product_then_the_packed_kernels(monkeypatch):
   for name in ("causal_attention_qkv", "causal_attention_projected"):
     monkeypatch.setattr(ha, name, lambda *a, _f=getattr(ha, name), _n=name, **kw:
                         calls.append(_n) or _f(*a, **kw))
+    per_shard._SHARED.clear()   # kernels traced before the patch are traced again
   mod = attention.Attention(2, dtype=jnp.bfloat16)
   params = mod.init(jax.random.key(2), x, rope)
   assert params["params"]["qkv"]["kernel"].shape == (160, 3, 2, 80)

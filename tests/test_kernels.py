@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from darl_jax import ops
+from darl_jax.kernels import per_shard
 from darl_jax.kernels import hopper_gemm
 from darl_jax.kernels import hopper_mlp as hm
 from darl_jax.models import layers, vit
@@ -254,6 +255,7 @@ def test_vit_with_hopper_mlp_matches_the_xla_mlp(monkeypatch):
 
   calls = []
   monkeypatch.setattr(hm, "mlp", lambda *a, _f=hm.mlp: calls.append(1) or _f(*a))
+  per_shard._SHARED.clear()   # kernels traced before the patch are traced again
   (_, f_x), g_x = loss("xla")
   assert not calls
   (_, f_h), g_h = loss("hopper")
@@ -283,6 +285,7 @@ def test_hopper_mlp_errors_name_the_fix_and_untiled_shapes_fall_back(monkeypatch
   params = _tiny_vit().init(jax.random.key(0), *one)["params"]
   want = _tiny_vit().apply({"params": params}, *one)["features"]
   monkeypatch.setattr(hm, "mlp", lambda *a: pytest.fail("the kernels ran on 64 rows"))
+  per_shard._SHARED.clear()   # kernels traced before the patch are traced again
   with ops.using(mlp="hopper"):
     got = _tiny_vit().apply({"params": params}, *one)["features"]
   np.testing.assert_array_equal(got, want)
@@ -347,6 +350,7 @@ def test_hopper_mlp_without_fc2s_bias_plus_the_bias_is_the_mlp(monkeypatch):
   readout = jax.random.normal(jax.random.key(2), x.shape)
   calls = []   # whether each call of the kernels got fc2's bias
   monkeypatch.setattr(hm, "mlp", lambda *a, _f=hm.mlp: calls.append(a[4] is not None) or _f(*a))
+  per_shard._SHARED.clear()   # kernels traced before the patch are traced again
 
   def mlp(p, x, apart):
     w1, b1, w2, b2 = p["fc1"]["kernel"], p["fc1"]["bias"], p["fc2"]["kernel"], p["fc2"]["bias"]

@@ -309,6 +309,18 @@ def _tiny_vit(dtype=jnp.float32, **kw):
   return vit.ViT(64, 2, 2, 128, reference_grid=(4, 4), dtype=dtype, **kw)
 
 
+def _all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of its sub-jaxprs, depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if hasattr(sub, "eqns"):
+          yield from _all_eqns(sub)
+        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          yield from _all_eqns(sub.jaxpr)
+
+
 def _norm_kernels(jaxpr) -> dict:
   """How many of each forward norm kernel a jaxpr calls, in its sub-jaxprs
   (scan bodies, remat, custom gradients) too; a scan body counts once."""
@@ -477,9 +489,36 @@ def test_the_model_norm_takes_its_widths_blocks(width, bwd_rows):
     grad = jax.grad(lambda x, s, b: jnp.sum(
         ops.layer_norm(x, s, b, dtype=jnp.bfloat16).astype(jnp.float32)), (0, 1, 2))
     with ops.using(norm="triton"):
-      eqns = [e for e in jax.make_jaxpr(grad)(x, scale, bias).eqns
-              if e.params.get("name") == "layer_norm_bwd"]
+      jaxpr = jax.make_jaxpr(grad)(x, scale, bias)
+    # The kernels run inside the jitted call per_shard shares between call
+    # sites: look into sub-jaxprs too.
+    eqns = [e for e in _all_eqns(jaxpr.jaxpr) if e.params.get("name") == "layer_norm_bwd"]
     assert len(eqns) == 1
     return tuple(eqns[0].params["grid_mapping"].grid)
 
   assert backward_grid() == (8 // bwd_rows,)
+
+
+def test_identical_blocks_lower_their_kernels_once(monkeypatch):
+  """per_shard shares one jitted program per kernel call site's code and
+  settings, so a deeper model lowers no more kernels: the LayerNorm kernels
+  of a 3-block backbone (lowered for the GPU, forward and backward) are as
+  many as a 1-block one's, where each block used to lower its own."""
+  from darl_jax.kernels import per_shard
+  from darl_jax.models import vit as vit_lib
+  monkeypatch.setattr(ops, "_interpret", lambda: False)   # lower the kernels for the GPU
+
+  def triton_calls(depth):
+    model = vit_lib.ViT(width=64, depth=depth, num_heads=2, mlp_dim=128,
+                        reference_grid=(4, 4), dtype=jnp.bfloat16)
+    t = jnp.arange(16)[None]
+    args = (jnp.ones((2, 16, 12)), t // 4, t % 4, t + 1, (4, 4))
+    params = model.init(jax.random.key(0), *args)["params"]
+    loss = lambda p: jnp.sum(model.apply({"params": p}, *args)["features"].astype(jnp.float32))
+    with ops.using(norm="triton"):
+      text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("custom_call @__gpu$xla.gpu.triton")
+
+  assert triton_calls(3) == triton_calls(1) > 0
+  monkeypatch.setattr(per_shard, "_shared", lambda fn: fn)   # each call site its own
+  assert triton_calls(3) > triton_calls(1)

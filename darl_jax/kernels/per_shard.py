@@ -28,11 +28,20 @@ repeat the same work (sharding.kernel_mesh_warning says so).
 
 The kernels' shape checks (``fits``) must see the per-device shapes: use
 ``local`` on the batched operands before checking.
+
+Every kernel call also goes through one ``jax.jit`` per program
+(``_shared``): a model's identical blocks then trace, lower and compile
+each kernel once instead of once per block. Lowering a Pallas call runs
+its whole kernel compiler, so without this a deep unrolled model spends
+most of its start-up there (measured on an H200, B/16 diffusion at batch
+512: lower 33.0 s and compile 60.4 s per-block, 6.0 s and 20.4 s shared,
+the same step time; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Sequence
 
 import jax
@@ -78,6 +87,7 @@ def over_batch(fn: Callable, *args, batched: Sequence[bool], axes: Sequence[str]
   settings go into ``fn`` (a closure), not ``args``."""
   if len(batched) != len(args):
     raise ValueError(f"batched has {len(batched)} entries for {len(args)} arguments")
+  fn = _shared(fn)
   if batch_shards(axes) == 1:
     return fn(*args)
   spec = P(_batch_axes(axes))
@@ -86,6 +96,29 @@ def over_batch(fn: Callable, *args, batched: Sequence[bool], axes: Sequence[str]
   # (tests/test_kernel_sharding.py compares them with one device's).
   return jax.shard_map(fn, in_specs=tuple(spec if b else P() for b in batched),
                        out_specs=spec, check_vma=False)(*args)
+
+
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(fn: Callable) -> Callable:
+  """``fn`` as a ``jax.jit`` shared by every call of the same code with the
+  same values closed over (the kernel's static settings: tilings, eps,
+  the interpreter switch). Traced again only for new argument shapes, and
+  a jitted call nested in a trace lowers to one function that every call
+  site calls, so N identical layers lower their kernels once (jax caches
+  a nested jit's lowering by its jaxpr). A closure over something
+  unhashable (an array) is called as it is."""
+  try:
+    key = (fn.__code__, tuple(cell.cell_contents for cell in fn.__closure__ or ()))
+    hash(key)
+  except (TypeError, ValueError, AttributeError):
+    return fn
+  with _SHARED_LOCK:   # programs may be traced from several threads at start-up
+    if key not in _SHARED:
+      _SHARED[key] = jax.jit(fn)
+    return _SHARED[key]
 
 
 __all__: Sequence[str] = ("batch_shards", "local", "over_batch")
