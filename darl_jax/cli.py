@@ -215,7 +215,10 @@ def report(e: BaseException, *, workdir: Optional[str] = None, failed: int = FAI
   if isinstance(e, KeyboardInterrupt):
     fail("interrupted" + (_RESUME if resumable else ""), INTERRUPTED)
   if isinstance(e, interrupts.Terminated):
-    fail("terminated (SIGTERM)" + (_RESUME if resumable else ""), TERMINATED)
+    # Its message says which signal and, after a preemption save, which
+    # step was saved and how to resume (darl_jax/preemption.py).
+    message = one_line(e) or "terminated (SIGTERM)"
+    fail(message + (_RESUME if resumable and "rerun" not in message else ""), TERMINATED)
   if isinstance(e, app.UsageError):
     fail(f"{one_line(e)} (--help lists the flags)", USAGE)
   if _is_config_error(e):

@@ -41,7 +41,10 @@ def get_config(arg=None):
   c.init_from = args.init
   c.batch_size = 16384
   c.total_epochs = 90.0
-  c.microbatch_size = -1      # the largest microbatch that fits (train/aot.py)
+  # The grid steps its heads inside the loss, once per microbatch, so it takes
+  # the whole batch (probe_grid.check_loop_options); the frozen pass keeps no
+  # activations for a backward pass, so the batch fits without accumulation.
+  c.microbatch_size = 0
   c.log_every_steps = 50
   c.checkpoint_every_steps = 1000
   c.eval_every_steps = 1000

@@ -28,6 +28,14 @@ def test_pretrain_benchmark_prints_a_row_per_case():
   assert [r.split("|")[1].strip() for r in rows] == ["mu/16 mse", "mu/16 diffusion"]
 
 
+def test_compile_benchmark_prints_both_forms_of_a_case():
+  out = run("compile_benchmark.py", "--cases=mu/16:diffusion:2", "--steps=2")
+  rows = [line.split("|") for line in out.splitlines() if line.startswith("| mu/16")]
+  assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+      ("mu/16:diffusion:2", "unrolled"), ("mu/16:diffusion:2", "scanned")]
+  assert all(float(r[7]) > 0 for r in rows)    # ms per step
+
+
 def test_pretrain_benchmark_target_status():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import pretrain_benchmark as bench

@@ -142,6 +142,28 @@ def test_the_global_batch_of_two_streams_on_any_process_count(data, fmt, monkeyp
   assert source.train_iterator(BATCH, process_count=4).get_state()["streams"] == 4
 
 
+def test_randaugment_keeps_the_streams_of_the_source_it_wraps(data, monkeypatch):
+  """Fine-tuning's RandAugment wrapper reads its source's streams: a run
+  started on 2 processes (2 streams of owned tar files) and read by 1
+  process gives the same augmented global batches."""
+  from darl_jax.data.randaugment import RandAugmentSource
+  config = dict(data["tar"], image_size=8, channels=3, augment="spatial")
+
+  def global_batch(processes, step=3):
+    parts = []
+    for p in range(processes):
+      as_process(monkeypatch, p, processes)
+      source = RandAugmentSource(build_source(config, split="train", seed=4), seed=4)
+      assert source.default_streams(processes) == processes
+      it = source.train_iterator(BATCH, start_step=step, process_index=p,
+                                 process_count=processes, state={"next_step": step, "streams": 2})
+      parts.append(next(it)["image"])
+      it.close()
+    return np.concatenate(parts)
+
+  np.testing.assert_array_equal(global_batch(2), global_batch(1))
+
+
 def test_one_stream_stays_one_and_a_stream_count_needs_owned_files(data, monkeypatch):
   config = dict(data["tar"], image_size=8, channels=3)
   single = build_source(config, split="train", seed=0)

@@ -381,7 +381,10 @@ def test_cli_sigterm_at_a_random_step_saves_it_and_the_rerun_equals_a_straight_r
   assert sent <= stop <= sent + 3, (sent, stop, text[-3000:])
   assert f"the checkpoint of step {stop} is committed" in text
   assert tmp_dirs(wd) == [] and _last_logged_step(wd) == stop
-  assert len([l for l in text.splitlines() if l.startswith("error:")]) == 1, text[-3000:]
+  [line] = [l for l in text.splitlines() if l.startswith("error:")]
+  # The one line says what was saved and how to resume.
+  assert line.startswith(f"error: preempted (SIGTERM): saved the checkpoint of step {stop} ")
+  assert line.endswith("rerun the same command to resume from it"), line
 
   rerun = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=240)

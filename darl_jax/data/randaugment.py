@@ -264,6 +264,16 @@ class RandAugmentSource(DataSource):
   def random_access(self) -> bool:
     return self.source.random_access
 
+  # The data streams are the wrapped source's (base.DataSource): a run resumed
+  # on another number of processes reads the same global batches, and the
+  # augmentation of a row is a function of its global position (``_augment``).
+  def default_streams(self, process_count: int) -> int:
+    return self.source.default_streams(process_count)
+
+  def use_streams(self, streams: int, batch_size: int, process_index: int,
+                  process_count: int) -> None:
+    self.source.use_streams(streams, batch_size, process_index, process_count)
+
   def _augment(self, batch: dict, step: int, batch_size: int, process_index: int,
                process_count: int) -> dict:
     local = local_batch_size(batch_size, process_count)

@@ -56,7 +56,7 @@ NOT_PROGRAM_KEYS = ("total_steps", "total_epochs", "stop_after_steps", "log_ever
                     "checkpoint_every_steps", "eval_every_steps", "eval_max_batches",
                     "keep_checkpoints", "compilation_cache_dir", "tensorboard", "profile",
                     "init_from", "init_step", "predictions", "skip_nonfinite",
-                    "eval_batch_size")
+                    "eval_batch_size", "preemption_signal", "preemption_deadline_s")
 # The schedule's scalars: inputs of the loop's step (optim.Hyperparams), and
 # where a program does read them (the probe grids' own optimizers) they are
 # literals of its jaxpr, which is part of the key.

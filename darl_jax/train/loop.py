@@ -20,8 +20,10 @@ the loop then stops with the step and the metric named (or, with
 ``skip_nonfinite``, counts the skipped steps and goes on).
 
 Randomness is ``fold_in(PRNGKey(seed), step)`` and the data for step ``s`` is a
-function of ``(seed, s)`` alone, so a resumed run replays exactly the losses of
-an uninterrupted one.
+function of ``(seed, s)`` and the number of data streams fixed when the run
+started (kept in the checkpoint's data state; data/base.py), so a resumed run
+replays exactly the losses of an uninterrupted one, on any number of devices
+or processes.
 """
 
 from __future__ import annotations
