@@ -29,6 +29,7 @@ from darl_jax import metrics as metrics_lib
 from darl_jax import preemption
 from darl_jax.train import loop
 from darl_jax.train import pretrain
+from test_reliability import tiny  # tests/tiny_config.py without evaluations or pictures
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,16 +39,6 @@ TINY = str(ROOT / "tests" / "tiny_config.py")
 DETERMINISTIC = ("loss", "grad_norm", "learning_rate", "param_norm", "nonfinite")
 
 
-def tiny(**overrides):
-  sys.path.insert(0, str(ROOT / "tests"))
-  import tiny_config
-  c = tiny_config.get_config()
-  c.eval_every_steps = 0
-  c.predictions.num_images = 0
-  for dotted, value in overrides.items():
-    parent, key = config_lib.config_node(c, dotted)
-    parent[key] = value
-  return c
 
 
 def steps_on_disk(workdir) -> list[int]:
