@@ -53,7 +53,8 @@ def to_global(batch: dict, sharding) -> dict:
           for k, v in batch.items()}
 
 
-def _state_of(it) -> Any:
+def state_of(it) -> Any:
+  """The host iterator's data state (``get_state()``), None if it has none."""
   # A trainer's make_source may wrap a source's iterator in a plain
   # generator: it then has no state, and a resume goes by the step alone.
   get_state = getattr(it, "get_state", None)
@@ -92,7 +93,7 @@ class DeviceFeed:
     try:
       while not self._stop.is_set():
         batch = next(it)
-        if not self._put((to_global(batch, sharding), _state_of(it))):
+        if not self._put((to_global(batch, sharding), state_of(it))):
           return
     except BaseException as e:  # pylint: disable=broad-except  # raised in the consumer
       self._put(e)

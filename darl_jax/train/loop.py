@@ -950,7 +950,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
       mesh.shape, jax.process_count(),
       data_pipeline.resolve_num_workers(config.data.get("num_workers", -1)))
   moved = config_lib.topology_change(resume_meta, topology, config.batch_size,
-                                     host_batches.get_state().get("streams", 1))
+                                     (feed_lib.state_of(host_batches) or {}).get("streams", 1))
   if moved:
     logging.info("%s", moved)
   feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
