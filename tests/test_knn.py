@@ -147,6 +147,14 @@ def test_report_reads_the_headline_k_and_the_first_pooling():
 # ------------------------------------------------------------------- the job
 
 
+def _crash_report(stderr: str) -> str:
+  """The part of a failed job's stderr that says why: from a crash dump's
+  start (its thread stacks come before the list of extension modules that
+  ends it), else the end."""
+  start = stderr.find("Fatal Python error")
+  return stderr[start:start + 6000] if start >= 0 else stderr[-4000:]
+
+
 def _job(workdir, devices, *flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS=cpu_devices_flags(devices))
@@ -156,7 +164,7 @@ def _job(workdir, devices, *flags):
        "--config.knn.ks=(1,20,200)", "--config.knn.report_k=20",
        "--config.knn.num_train_examples=300", "--config.eval_max_batches=3", *flags],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.returncode == 0, _crash_report(proc.stderr)
   return json.loads((workdir / "knn_accuracy.json").read_text())
 
 
