@@ -189,7 +189,9 @@ def _studies(*args):
 
 @pytest.mark.parametrize("args,status,words", [
     (["--study=readout", "--scale=huge", "--list"], cli_lib.USAGE, "--scale=huge"),
-    (["--study=nope", "--scale=tiny", "--list"], cli_lib.FAILED, "unknown study 'nope'"),
+    (["--study=nope", "--scale=tiny", "--list"], cli_lib.USAGE, "unknown study 'nope'"),
+    (["--study=readout", "--scale=tiny", "--list", "--runs=(("], cli_lib.USAGE,
+     "not a regular expression"),
 ])
 def test_studies(args, status, words):
   proc = _studies(*args)

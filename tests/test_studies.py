@@ -308,7 +308,7 @@ def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
   assert "# 3 distinct stages; 3 to run" in some and "masking=full" not in some
   bad = subprocess.run(args + ["--list", "--runs=(("], capture_output=True, text=True,
                        cwd=ROOT, env=env)
-  assert bad.returncode == 1 and "not a regular expression" in bad.stderr
+  assert bad.returncode == 2 and "not a regular expression" in bad.stderr
   # The pretraining and two fine-tunings done: two fine-tunings left, run at once.
   study = catalog.get_study("readout", TINY)
   stages = study.stages()

@@ -20,11 +20,11 @@ resumes from its checkpoint).
 
 Every error is one ``error:`` line. Exit status (darl_jax/cli.py, as every
 command): 0 every stage ran (or was done); 1 a stage failed (the line names
-it and its log) or the study cannot run (an unknown study, a --runs that is
-not a regular expression, a --set key that changes results; an unexpected
-error names its traceback file); 2 bad input (an unknown flag, a value of
-the wrong type, an unknown --scale); 130 interrupted; 143 terminated
-(SIGTERM: the stages stop and resume on the next run).
+it and its log; an unexpected error names its traceback file); 2 bad input
+(an unknown flag, a value of the wrong type, an unknown --scale or study, a
+--runs that is not a regular expression, a --set key that changes results);
+130 interrupted; 143 terminated (SIGTERM: the stages stop and resume on the
+next run).
 """
 
 from __future__ import annotations
@@ -79,10 +79,13 @@ def main(argv):
   scale = S.get_scale(_SCALE.value)
   out = _OUT.value or f"reports/studies/{scale.name}"
   work = _WORK.value or f"workdirs/studies/{scale.name}"
-  chosen = studies(_STUDY.value, scale, _SEEDS.value)
-  runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
-  stages = S.distinct_stages([s for study in chosen for run in selected(study, _RUNS.value)
-                               for s in run.stages])
+  try:   # what the flags name: bad input (status 2), as for every command
+    chosen = studies(_STUDY.value, scale, _SEEDS.value)
+    runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
+    stages = S.distinct_stages([s for study in chosen for run in selected(study, _RUNS.value)
+                                 for s in run.stages])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
   if _STAGE.value:
     by_id = {s.id: s for s in stages}
@@ -125,7 +128,7 @@ def main(argv):
                             missing_comparators=absent)
     print(f"{study.name}: {len(records)}/{len(study.runs)} runs complete; report {path}")
   if failed:
-    print(f"{len(failed)} stage(s) failed: {', '.join(failed)} (logs in {runner.work})",
+    print(f"error: {len(failed)} stage(s) failed: {', '.join(failed)} (logs in {runner.work})",
           file=sys.stderr)
     sys.exit(1)
 
