@@ -576,6 +576,16 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
+def imagenet_frozen_backbone(c, variant: str, *, augment: str) -> None:
+  """Sets ``c`` (a frozen-feature evaluation's config: linear or attentive
+  probe, kNN) to read ImageNet at 224 through the paper's causal ViT
+  ``variant`` (2D RoPE, bfloat16)."""
+  c.data.update(name="imagenet2012", tfds_name="imagenet2012", image_size=224, channels=3,
+                augment=augment, train_split="train", eval_split="validation")
+  c.model.update(variant=variant, image_size=224, reference_image_size=224, channels=3,
+                 posenc="rope2d", causal=True, dtype="bfloat16", drop_path=0.0)
+
+
 def imagenet_pretrain_config(variant: str, objective: str) -> ml_collections.ConfigDict:
   """The paper's ImageNet pretraining table (appendix "Hyperparameters").
 

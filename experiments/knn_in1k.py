@@ -28,8 +28,5 @@ def get_config(arg=None):
   c = knn.knn_config()
   c.init_from = args.init
   c.batch_size = 1024
-  c.data.update(name="imagenet2012", tfds_name="imagenet2012", image_size=224, channels=3,
-                augment="none", train_split="train", eval_split="validation")
-  c.model.update(variant=args.variant, image_size=224, reference_image_size=224, channels=3,
-                 posenc="rope2d", causal=True, dtype="bfloat16", drop_path=0.0)
+  config_lib.imagenet_frozen_backbone(c, args.variant, augment="none")
   return c

@@ -50,11 +50,8 @@ def get_config(arg=None):
   c.eval_every_steps = 1000
   c.probe.learning_rates = LEARNING_RATES
   c.probe.poolings = ("mean", "last")
-  c.data.update(name="imagenet2012", tfds_name="imagenet2012", image_size=224, channels=3,
-                augment="spatial", train_split="train", eval_split="validation")
-  c.model.update(variant=args.variant, image_size=224, reference_image_size=224, channels=3,
-                 posenc="rope2d", causal=True, dtype="bfloat16", drop_path=0.0)
-  if args.variant.startswith("H/"):
+  config_lib.imagenet_frozen_backbone(c, args.variant, augment="spatial")
+  if args.variant.startswith("H/"):     # 632M parameters: sharded over every device
     c.sharding = "fsdp"
     c.mesh.update(data=1, fsdp=-1)
   return c
