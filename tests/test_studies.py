@@ -103,6 +103,137 @@ def test_best_block_accuracy_is_derived_from_the_per_block_accuracies():
   assert "best_block_accuracy" not in runner_lib.derived({"val_accuracy": 0.8})
 
 
+def _grid_metrics(held: dict, test: dict) -> dict:
+  """A linear probe grid's recorded metrics from ``{(block, pooling, lr):
+  accuracy}`` on the held-out rows and the eval split, with its per-block
+  choice made as train/probe_grid.choose makes it (grid order: lr, then
+  pooling; the first on ties)."""
+  out = {}
+  for (block, pooling, lr), acc in test.items():
+    out[f"val_grid_accuracy_block_0{block}_{pooling}_lr_{lr:g}_wd_0"] = acc
+    out[f"val_holdout_grid_accuracy_block_0{block}_{pooling}_lr_{lr:g}_wd_0"] = held[
+        (block, pooling, lr)]
+  for block in sorted({b for b, _, _ in test}):
+    cands = sorted((k for k in test if k[0] == block),
+                   key=lambda k: (k[2], ("mean", "last").index(k[1])))
+    best = max(cands, key=lambda k: held[k])          # first of the maxima
+    out.update({f"val_accuracy_block_0{block}": test[best],
+                f"val_holdout_accuracy_block_0{block}": held[best],
+                f"val_chosen_learning_rate_block_0{block}": float(best[2]),
+                f"val_chosen_weight_decay_block_0{block}": 0.0,
+                f"val_chosen_pooling_block_0{block}": ("mean", "last").index(best[1])})
+  return out
+
+
+def test_a_linear_grid_is_read_at_its_held_out_choice_overall_and_per_pooling():
+  held = {(0, "mean", 8): 0.80, (0, "mean", 16): 0.84, (0, "last", 8): 0.84,
+          (0, "last", 16): 0.70,
+          (1, "mean", 8): 0.86, (1, "mean", 16): 0.86, (1, "last", 8): 0.75,
+          (1, "last", 16): 0.86}
+  test = {(0, "mean", 8): 0.79, (0, "mean", 16): 0.83, (0, "last", 8): 0.85,
+          (0, "last", 16): 0.90,
+          (1, "mean", 8): 0.81, (1, "mean", 16): 0.88, (1, "last", 8): 0.74,
+          (1, "last", 16): 0.87}
+  metrics = _grid_metrics(held, test)
+  out = runner_lib.derived(metrics)
+  # Block 1 has the best held-out accuracy (0.86); on its three-way tie the
+  # grid took lr 8, mean pooling: 0.81 on the eval split, though the eval
+  # split's best block and the best cell (0.90) are elsewhere.
+  assert out["chosen_block_accuracy"] == 0.81
+  assert out["best_block_accuracy"] == 0.85
+  # Among the mean pool's candidates: block 1 again, lr 8 (tie -> the smaller).
+  assert out["chosen_block_accuracy_mean"] == 0.81
+  # Among the last token's: block 1 at lr 16 (0.86 held out), not block 0.
+  assert out["chosen_block_accuracy_last"] == 0.87
+  assert runner_lib.grid_choice(metrics, "last") == {
+      "block": "block_01", "learning_rate": 16.0, "weight_decay": 0.0, "accuracy": 0.87,
+      "holdout_accuracy": 0.86}
+  with pytest.raises(ValueError, match="pooling 'cls'"):
+    runner_lib.grid_choice(metrics, "cls")
+  # Single-setting probes get neither.
+  assert "chosen_block_accuracy" not in runner_lib.derived({"val_accuracy_block_00": 0.5})
+
+
+def test_knn_best_block_per_k_and_pooling():
+  metrics = {"val_knn_accuracy_mean_k10_block_00": 0.6, "val_knn_accuracy_mean_k10_block_01": 0.7,
+             "val_knn_accuracy_mean_k20_block_00": 0.65, "val_knn_accuracy_mean_k20_block_01": 0.5,
+             "val_knn_accuracy_last_k20_block_00": 0.4, "val_accuracy_block_00": 0.65}
+  out = runner_lib.derived(metrics)
+  assert (out["best_block_accuracy_mean_k10"], out["best_block_accuracy_mean_k20"],
+          out["best_block_accuracy_last_k20"]) == (0.7, 0.65, 0.4)
+
+
+def test_choices_name_each_seeds_block_and_setting():
+  held = {(b, p, lr): 0.5 + 0.1 * b + (0.01 if p == "last" else 0) + 0.001 * lr
+          for b in (0, 1) for p in ("mean", "last") for lr in (8, 16)}
+  grid_stage = S.stage("probe", "experiments/fashion_mnist_linear_probe.py",
+                       {"probe.poolings": ("mean", "last"), "probe.learning_rates": (8, 16)})
+  linear = runner_lib.choice(grid_stage, _grid_metrics(held, held))
+  assert linear == {"block": "1", "accuracy": held[(1, "last", 16)],
+                    "holdout_accuracy": held[(1, "last", 16)], "learning_rate": 16.0,
+                    "weight_decay": 0.0, "pooling": "last"}
+  attentive = runner_lib.choice(
+      S.stage("attentive_probe", "experiments/fashion_mnist_attentive_probe.py",
+              {"probe.blocks": (3, 4, 5)}),
+      {"val_accuracy": 0.91, "val_holdout_accuracy": 0.92, "val_chosen_learning_rate": 0.003,
+       "val_chosen_weight_decay": 0.3})
+  assert attentive == {"block": "3+4+5", "accuracy": 0.91, "holdout_accuracy": 0.92,
+                       "learning_rate": 0.003, "weight_decay": 0.3}
+  # kNN / one setting: the eval split's best block (the lower on ties).
+  knn = runner_lib.choice(S.stage("knn", "experiments/fashion_mnist_knn.py"),
+                          {"val_accuracy_block_00": 0.7, "val_accuracy_block_01": 0.8,
+                           "val_accuracy_block_02": 0.8})
+  assert knn == {"block": "1", "accuracy": 0.8}
+  assert runner_lib.choice(grid_stage, {"val_accuracy": 0.5}) is None
+
+  recs = [{"labels": {"init": init, "seed": seed}, "choice": {**linear, "accuracy": acc}}
+          for init, seed, acc in (("b", 1, 0.8), ("a", 0, 0.7), ("b", 0, 0.9))]
+  recs.append({"labels": {"init": "pixels", "seed": 0}})          # no choice: no row
+  md = R.choices_markdown(R.Choices("C", ("init",)), recs)
+  assert md.splitlines()[2:] == [
+      "| init | seed | block | accuracy (%) | held-out accuracy (%) | learning rate | "
+      "weight decay | pooling |", "|---|---|---|---|---|---|---|---|",
+      "| b | 0 | 1 | 90.00 | 62.60 | 16 | 0 | last |",
+      "| b | 1 | 1 | 80.00 | 62.60 | 16 | 0 | last |",
+      "| a | 0 | 1 | 70.00 | 62.60 | 16 | 0 | last |"]
+  knn_md = R.choices_markdown(R.Choices("K", ("init",)),
+                              [{"labels": {"init": "x", "seed": 0}, "choice": knn}])
+  assert knn_md.splitlines()[2] == "| init | seed | block | accuracy (%) |"
+
+
+def test_readout_and_prefix_read_their_checkpoints_with_the_probe_grid_at_fmnist_long():
+  long = S.get_scale("fmnist_long")
+  downstream = catalog.get_study("downstream", long)
+  mse_grid = {r.labels["seed"]: r.stages[-1].id for r in downstream.runs
+              if r.labels["init"] == "DARL mse" and r.labels["family"] == "linear grid"}
+  linear_grid = catalog.PROBE_GRIDS["fmnist_long"][0]
+  for name, per_seed in (("readout", 2), ("prefix", 4)):
+    study = catalog.get_study(name, long)
+    grid = [r for r in study.runs if r.labels.get("protocol") == "linear probe grid"]
+    assert len(grid) == 3 * per_seed, name
+    for run in grid:
+      pre, probe = run.stages
+      assert probe.parent == pre and probe.kind == "probe"
+      config = S.load_config(probe)
+      mask = run.labels.get("masking", run.labels.get("probing"))
+      assert config.model.causal == (mask == "causal")
+      assert tuple(config.probe.learning_rates) == linear_grid["probe.learning_rates"]
+      assert tuple(config.probe.poolings) == ("mean", "last")
+      if mask == "causal" and run.labels.get("pretraining", "causal") == "causal":
+        # The downstream study's MSE grid stage: already run, not run twice.
+        assert probe.id == mse_grid[run.labels["seed"]]
+    # The fine-tuning table keeps to the fine-tuned runs.
+    recs = [{"labels": r.labels, "metrics": {"last/val_accuracy": 0.9,
+                                             "last/chosen_block_accuracy": 0.8}}
+            for r in study.runs]
+    assert "None" not in R.table_markdown(study.tables[0], recs)
+    assert "| 80.0 ± 0.0 (3) |" in R.table_markdown(study.tables[1], recs)
+  for scale in ("tiny", "fmnist"):       # the runner's test study stays as it is
+    for name in ("readout", "prefix"):
+      study = catalog.get_study(name, S.get_scale(scale), seeds=1)
+      assert all(s.kind != "probe" for s in study.stages()), (scale, name)
+
+
 def test_downstream_linear_table_carries_the_raw_pixel_classifier(tmp_path):
   study = catalog.get_study("downstream", TINY, seeds=1)
   runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
@@ -113,13 +244,14 @@ def test_downstream_linear_table_carries_the_raw_pixel_classifier(tmp_path):
       {"logistic": {"val_accuracy": 0.859}, "ridge": {"val_accuracy": 0.827}}))
   rows, missing = runner_lib.comparator_records(runner, study)
   assert not missing
-  linear = [t for t in study.tables if t.where.get("family") == "linear"
+  tables = [t for t in study.tables if isinstance(t, R.Table)]
+  linear = [t for t in tables if t.where.get("family") == "linear"
             and "best_block" in t.metrics[0]][0]
   table = R.table_markdown(linear, rows)
   assert "| raw pixels, logistic regression | 85.9 |" in table
   assert "| raw pixels, ridge regression | 82.7 |" in table
   # Not a row of the tables it has no number for.
-  loss = [t for t in study.tables if t.metrics == ("pretrain/val_loss",)][0]
+  loss = [t for t in tables if t.metrics == ("pretrain/val_loss",)][0]
   assert "raw pixels" not in R.table_markdown(loss, rows)
 
 

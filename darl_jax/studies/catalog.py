@@ -14,6 +14,9 @@ from darl_jax.studies import spec as S
 
 ACC = "last/val_accuracy"
 PROBE = "probe/best_block_accuracy"
+# A linear probe grid's number: the block and setting it chose on held-out
+# training rows, read on the eval split (runner.derived).
+CHOSEN = "last/chosen_block_accuracy"
 POSENCS = ("none", "sincos2d", "learned", "rope1d", "rope2d")
 
 
@@ -64,11 +67,28 @@ PROBE_GRIDS = {
 }
 
 
-def probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int) -> S.Stage:
-  """The scale's linear probe grid on every block (``PROBE_GRIDS``)."""
+def probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int, *arch: dict) -> S.Stage:
+  """The scale's linear probe grid on every block (``PROBE_GRIDS``), then
+  ``arch`` overrides (``model.causal``: the mask the frozen pass reads with)."""
   return S.stage("probe", scale.probe, scale.common, scale.probe_overrides,
-                 scale.linear_probe_overrides, PROBE_GRIDS[scale.name][0], {"seed": seed},
-                 parent=parent)
+                 scale.linear_probe_overrides, PROBE_GRIDS[scale.name][0], *arch,
+                 {"seed": seed}, parent=parent)
+
+
+# The fine-tuning studies that also read their pretrained checkpoints with
+# the linear probe grid (frozen features, block and setting chosen on
+# held-out rows), per scale: the read-out study's mask x descriptor and the
+# prefix study's question, asked of the frozen features. The grid's two
+# poolings are the two descriptors (runner.derived's
+# ``chosen_block_accuracy_<pooling>``), so one stage per mask serves both.
+# Not the tiny scale: its read-out study is the runner's test study.
+GRID_PROBED = {"fmnist_long": ("readout", "prefix")}
+GRID = {"protocol": "linear probe grid"}
+MASKS = (("causal", True), ("full", False))
+
+
+def _grid_probed(scale: S.Scale, study: str) -> bool:
+  return study in GRID_PROBED.get(scale.name, ())
 
 
 def attentive_probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int,
@@ -309,6 +329,11 @@ def readout(scale: S.Scale, seeds: int) -> S.Study:
         ft = finetune(scale, pre, seed, {"model.causal": causal, "head.readout": head})
         runs.append(S.Run({"masking": "causal" if causal else "full", "readout": head,
                            "seed": seed}, (pre, ft)))
+    if _grid_probed(scale, "readout"):
+      for mask, causal in MASKS:
+        runs.append(S.Run({"masking": mask, **GRID, "seed": seed},
+                          (pre, probe_grid(scale, pre, seed, {"model.causal": causal}))))
+  probed = _grid_probed(scale, "readout")
   return S.Study(
       "readout", "Read-out: attention mask x descriptor (paper table \"read-out\")",
       paper="""
@@ -317,15 +342,28 @@ ViT-L/16, MSE 100 epochs, fine-tuned 50 epochs: causal 81.5 (mean pool) /
 mask is about 1 point better; with it, the last token is the better
 descriptor.""",
       runs=runs,
+      # (The fine-tuned runs are those with a read-out label; the probe
+      # grid's rows read both descriptors in one stage.)
       tables=[R.Table("Fine-tuned accuracy by mask and read-out", ("masking",), "readout",
-                      (ACC,))],
+                      (ACC,), where={"readout": frozenset({"mean", "last"})}),
+              *((R.Table("Linear probe grid on the frozen checkpoint, by the mask it is "
+                         "read with: the held-out choice of block and setting among the mean "
+                         "pool's, the last token's, and all candidates", ("masking",), None,
+                         (f"{CHOSEN}_mean", f"{CHOSEN}_last", CHOSEN), where=GRID),
+                 R.Choices("Linear probe grid: the held-out choice per seed", ("masking",),
+                           where=GRID)) if probed else ())],
       comparisons=(
           R.Comparison("causal: last token against mean pool", {"readout": "last"},
                        {"readout": "mean"}, where={"masking": "causal"}),
           R.Comparison("mean pool: full attention against causal", {"masking": "full"},
                        {"masking": "causal"}, where={"readout": "mean"}),
           R.Comparison("last token: full attention against causal", {"masking": "full"},
-                       {"masking": "causal"}, where={"readout": "last"})))
+                       {"masking": "causal"}, where={"readout": "last"}),
+          *(R.Comparison(f"linear probe grid, {name}: full attention against causal",
+                         {"masking": "full"}, {"masking": "causal"}, metric, where=GRID)
+            for name, metric in (("mean pool", f"{CHOSEN}_mean"),
+                                 ("last token", f"{CHOSEN}_last"),
+                                 ("either pooling", CHOSEN)) if probed)))
 
 
 def ordering(scale: S.Scale, seeds: int) -> S.Study:
@@ -421,6 +459,12 @@ def prefix(scale: S.Scale, seeds: int) -> S.Study:
         runs.append(S.Run({"pretraining": pretraining,
                            "fine-tuning": "causal" if causal else "full", "seed": seed},
                           (pre, ft)))
+      if _grid_probed(scale, "prefix"):
+        for mask, causal in MASKS:
+          runs.append(S.Run({"pretraining": pretraining, "probing": mask, **GRID,
+                             "seed": seed},
+                            (pre, probe_grid(scale, pre, seed, {"model.causal": causal}))))
+  probed = _grid_probed(scale, "prefix")
   return S.Study(
       "prefix", "Prefix-causal pretraining against the read-out study's mask gap (beyond the paper)",
       paper="""
@@ -432,11 +476,21 @@ pretraining. Question: does prefix-causal pretraining raise full-attention
 fine-tuning above causal pretraining's?""",
       runs=runs,
       tables=[R.Table("Fine-tuned accuracy (last token) by pretraining and fine-tuning mask",
-                      ("pretraining",), "fine-tuning", (ACC,))],
+                      ("pretraining",), "fine-tuning", (ACC,),
+                      where={"fine-tuning": frozenset({"causal", "full"})}),
+              *((R.Table("Linear probe grid on the frozen checkpoint (held-out choice of "
+                         "block, setting and pooling) by pretraining and the mask it is read "
+                         "with", ("pretraining",), "probing", (CHOSEN,), where=GRID),
+                 R.Choices("Linear probe grid: the held-out choice per seed",
+                           ("pretraining", "probing"), where=GRID)) if probed else ())],
       comparisons=tuple(
-          R.Comparison(f"{ft} fine-tuning: prefix-causal against causal pretraining",
-                       {"pretraining": "prefix-causal"}, {"pretraining": "causal"},
-                       where={"fine-tuning": ft}) for ft in ("full", "causal")))
+          [R.Comparison(f"{ft} fine-tuning: prefix-causal against causal pretraining",
+                        {"pretraining": "prefix-causal"}, {"pretraining": "causal"},
+                        where={"fine-tuning": ft}) for ft in ("full", "causal")]
+          + [R.Comparison(f"linear probe grid read with {mask} attention: prefix-causal "
+                          "against causal pretraining", {"pretraining": "prefix-causal"},
+                          {"pretraining": "causal"}, CHOSEN, where={**GRID, "probing": mask})
+             for mask, _ in MASKS if probed]))
 
 
 def downstream(scale: S.Scale, seeds: int) -> S.Study:
@@ -529,17 +583,32 @@ temperature 0.07, every block, nothing trained) are beyond the paper.""",
                       ("last/best_block_accuracy",), where={"family": "linear"}),
               R.Table("Attentive probe", ("init",), "protocol", (ACC,),
                       where={"family": "attentive"}),
-              R.Table("Linear probe grid: best block, each block at its held-out "
-                      "choice", ("init",), None, ("last/best_block_accuracy",),
-                      where={"family": "linear grid"}),
+              R.Table("Linear probe grid: the held-out choice of block and setting "
+                      "(chosen_block_accuracy); the eval split's best block, each block "
+                      "at its held-out setting (best_block_accuracy)", ("init",), None,
+                      (CHOSEN, "last/best_block_accuracy"), where={"family": "linear grid"}),
               R.Table("Attentive probe grid: the held-out choice", ("init",), "protocol",
                       (ACC,), where={"family": "attentive grid"}),
               R.Table("kNN (cosine, k = 20, T = 0.07): best block", ("init",), None,
                       ("last/best_block_accuracy",), where={"family": "knn"}),
+              *((R.Table("kNN: best block at each k", ("init",), None,
+                         tuple(f"last/best_block_accuracy_mean_k{k}" for k in _knn_ks(scale)),
+                         where={"family": "knn"}),) if scale.knn else ()),
+              R.Choices("Linear probe, one setting: best block per seed (eval split)",
+                        ("init",), where={"family": "linear", "protocol": "linear probe"}),
+              R.Choices("Linear probe grid: the held-out choice per seed", ("init",),
+                        where={"family": "linear grid"}),
+              R.Choices("Attentive probe grid: the held-out choice per seed", ("init",),
+                        where={"family": "attentive grid"}),
+              R.Choices("kNN (k = 20): best block per seed (eval split)", ("init",),
+                        where={"family": "knn"}),
               R.Table("Pretraining validation loss", ("init",), None, ("pretrain/val_loss",),
                       where={"family": "linear", "protocol": "linear probe"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
                            ("init",), where={"family": "linear"}),
+             R.DepthCurves("Linear probe grid accuracy by block (each at its held-out "
+                           "setting)", "last/val_accuracy_block_", ("init",),
+                           where={"family": "linear grid"}),
              R.DepthCurves("kNN accuracy by block (k = 20)", "last/val_accuracy_block_",
                            ("init",), where={"family": "knn"})],
       comparators=("pixels",),
@@ -560,13 +629,20 @@ temperature 0.07, every block, nothing trained) are beyond the paper.""",
                           "DARL MSE", {"init": "DARL diffusion"}, {"init": "DARL mse"},
                           where={"protocol": f"attentive probe {_blocks((depth - 1,))}"}),)
             if scale.attentive_probe else ()),
-          *((R.Comparison("linear probe grid, best block: DARL diffusion against DARL MSE",
-                          {"init": "DARL diffusion"}, {"init": "DARL mse"},
-                          "last/best_block_accuracy", where={"family": "linear grid"}),
-             R.Comparison("linear probe grid, best block: DARL diffusion against a random "
-                          "backbone", {"init": "DARL diffusion"}, {"init": "random"},
-                          "last/best_block_accuracy", where={"family": "linear grid"}))
+          *((R.Comparison("linear probe grid, held-out choice: DARL diffusion against "
+                          "DARL MSE", {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                          CHOSEN, where={"family": "linear grid"}),
+             R.Comparison("linear probe grid, held-out choice: DARL diffusion against a "
+                          "random backbone", {"init": "DARL diffusion"}, {"init": "random"},
+                          CHOSEN, where={"family": "linear grid"}))
             if scale.name in PROBE_GRIDS else ()),
+          *((R.Comparison("attentive probe grid: DARL diffusion against DARL MSE",
+                          {"init": "DARL diffusion"}, {"init": "DARL mse"},
+                          where={"family": "attentive grid"}),
+             R.Comparison("attentive probe grid: DARL diffusion against a random backbone",
+                          {"init": "DARL diffusion"}, {"init": "random"},
+                          where={"family": "attentive grid"}))
+            if scale.name in PROBE_GRIDS and scale.attentive_probe else ()),
           *((R.Comparison("kNN, best block: DARL diffusion against DARL MSE",
                           {"init": "DARL diffusion"}, {"init": "DARL mse"},
                           "last/best_block_accuracy", where={"family": "knn"}),
@@ -630,6 +706,11 @@ docs/STUDIES.md).""",
                       ("init", "augmentation"), "length", (ACC,)),
               R.Table("Final training loss (label-smoothed, under augmentation)",
                       ("init", "augmentation"), "length", ("last/loss",))])
+
+
+def _knn_ks(scale: S.Scale) -> tuple:
+  """The k values of the scale's kNN job (its config's ``knn.ks``)."""
+  return tuple(S.load_config(S.stage("knn", scale.knn)).knn.ks)
 
 
 def _blocks(blocks: tuple) -> str:

@@ -33,6 +33,19 @@ class Table:
 
 
 @dataclasses.dataclass(frozen=True)
+class Choices:
+  """What each run's last stage chose (its record's ``choice``, made by
+  runner.choice): one row per run, seeds apart, with the block, its eval
+  accuracy and, for a grid, the held-out accuracy and the setting (learning
+  rate, weight decay, pooling) chosen on held-out training rows. A grid's
+  block is its held-out choice too; a single-setting probe's or kNN's is
+  the eval split's best."""
+  title: str
+  rows: tuple
+  where: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class Heatmap:
   """``metric`` over labels ``x`` and ``y``, one panel per value of ``facet``."""
   title: str
@@ -178,6 +191,41 @@ def table_markdown(table: Table, records: list[dict]) -> str:
   lines.append("| " + " | ".join(header) + " |")
   lines.append("|" + "---|" * len(header))
   lines += ["| " + " | ".join(row) + " |" for row in body]
+  return "\n".join(lines)
+
+
+# A choice's fields, in the order and under the names its table shows them.
+CHOICE_COLUMNS = (("block", "block"), ("accuracy", "accuracy (%)"),
+                  ("holdout_accuracy", "held-out accuracy (%)"),
+                  ("learning_rate", "learning rate"), ("weight_decay", "weight decay"),
+                  ("pooling", "pooling"))
+
+
+def choices_markdown(spec: Choices, records: list[dict]) -> str:
+  """``spec``'s table: a row per matching run with a choice, ordered by its
+  labels as they first appear, then by seed; columns only for the fields
+  some row has."""
+  rows_of = [r for r in records if _matches(r["labels"], spec.where) and "choice" in r]
+  order = _ordered(tuple(r["labels"].get(k) for k in spec.rows) for r in rows_of)
+  rows_of.sort(key=lambda r: (order.index(tuple(r["labels"].get(k) for k in spec.rows)),
+                              r["labels"].get(SEED, 0)))
+  fields = [(k, name) for k, name in CHOICE_COLUMNS
+            if any(r["choice"].get(k) is not None for r in rows_of)]
+
+  def cell(key, value):
+    if value is None:
+      return "—"
+    if key.endswith("accuracy"):
+      return f"{100 * value:.2f}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+  header = list(spec.rows) + [SEED] + [name for _, name in fields]
+  lines = [f"**{spec.title}**", "", "| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+  for r in rows_of:
+    row = [str(r["labels"].get(k)) for k in spec.rows + (SEED,)]
+    row += [cell(k, r["choice"].get(k)) for k, _ in fields]
+    lines.append("| " + " | ".join(row) + " |")
   return "\n".join(lines)
 
 
@@ -348,7 +396,8 @@ def write(study, records: list[dict], folder: pathlib.Path, *, scale: str, seeds
            f"`python -m darl_jax.studies --study={study.name} --scale={scale}`.", "",
            "## The paper", "", study.paper.strip(), "", "## Results", ""]
   for table in study.tables:
-    parts += [table_markdown(table, records), ""]
+    render = choices_markdown if isinstance(table, Choices) else table_markdown
+    parts += [render(table, records), ""]
   if study.comparisons:
     parts += [comparisons_markdown(study.comparisons, records), ""]
   for spec in study.plots:

@@ -31,6 +31,7 @@ import ctypes
 import datetime
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -320,16 +321,107 @@ def _write_json(path: pathlib.Path, obj) -> None:
 
 
 BLOCK_ACCURACY = "val_accuracy_block_"
+HOLDOUT_BLOCK_ACCURACY = "val_holdout_accuracy_block_"
+# A linear probe grid's candidates (train/linear_probe.py, finalize_grid):
+# ``val_grid_accuracy_block_03_mean_lr_16_wd_0`` and its held-out twin.
+_GRID_CANDIDATE = re.compile(r"^val_grid_accuracy_(block_\d+)_([a-z]+)_lr_([^_]+)_wd_([^_]+)$")
+# The kNN job's accuracies (train/knn.py): ``val_knn_accuracy_mean_k20_block_03``.
+_KNN_ACCURACY = re.compile(r"^val_knn_accuracy_([a-z]+)_k(\d+)_block_\d+$")
 
 
 def derived(metrics: dict) -> dict:
-  """A stage's metrics plus ``best_block_accuracy``, the largest per-block
-  probe accuracy, where there are per-block accuracies. Tables read it rather
-  than the probe's own ``val_best_accuracy``: the linear probes of the
-  fmnist_long runs wrote that one from an evaluation fed unconverted uint8
-  images (fixed since; their per-block accuracies were right)."""
+  """A stage's metrics plus what the tables read off them:
+
+  - ``best_block_accuracy``: the largest per-block accuracy (the block chosen
+    on the eval split), where there are per-block accuracies. Tables read it
+    rather than the probe's own ``val_best_accuracy``: the linear probes of
+    the fmnist_long runs wrote that one from an evaluation fed unconverted
+    uint8 images (fixed since; their per-block accuracies were right).
+  - a linear probe grid's held-out choice, nothing read off the eval split:
+    ``chosen_block_accuracy``, the eval accuracy of the block of the best
+    held-out accuracy, each block at its held-out setting (the grid's own
+    ``val_best_accuracy``); ``chosen_block_accuracy_<pooling>``, the same
+    with each block's setting chosen among that pooling's candidates only
+    (``grid_choice``: the read-out study's mean-pool and last-token rows).
+  - kNN: ``best_block_accuracy_<pooling>_k<k>`` for every k it ran.
+  """
+  out = dict(metrics)
   blocks = [v for k, v in metrics.items() if k.startswith(BLOCK_ACCURACY) and v is not None]
-  return {**metrics, "best_block_accuracy": max(blocks)} if blocks else metrics
+  if blocks:
+    out["best_block_accuracy"] = max(blocks)
+  held = sorted(k[len("val_holdout_accuracy_"):] for k in metrics
+                if k.startswith(HOLDOUT_BLOCK_ACCURACY))
+  if held:
+    best = max(held, key=lambda b: metrics[f"val_holdout_accuracy_{b}"])  # first on ties
+    out["chosen_block_accuracy"] = metrics[f"val_accuracy_{best}"]
+  poolings = {m.group(2) for m in map(_GRID_CANDIDATE.match, metrics) if m}
+  for pooling in sorted(poolings):
+    out[f"chosen_block_accuracy_{pooling}"] = grid_choice(metrics, pooling)["accuracy"]
+  knn: dict = {}
+  for key, value in metrics.items():
+    m = _KNN_ACCURACY.match(key)
+    if m and value is not None:
+      name = f"best_block_accuracy_{m.group(1)}_k{m.group(2)}"
+      knn[name] = max(knn.get(name, value), value)
+  out.update(knn)
+  return out
+
+
+def grid_choice(metrics: dict, pooling: str) -> dict:
+  """A linear probe grid's choice among one pooling's candidates, from its
+  ``val_grid_accuracy_*`` / ``val_holdout_grid_accuracy_*`` metrics: per
+  block the setting of the best held-out accuracy, then the block of the
+  best held-out accuracy (ties: the smaller learning rate, then the smaller
+  weight decay, then the lower block: the grid's own order, since
+  catalog.PROBE_GRIDS lists its values ascending). Returns ``{block,
+  accuracy, holdout_accuracy, learning_rate, weight_decay}``, the accuracy
+  on the eval split."""
+  per_block: dict = {}
+  for key in metrics:
+    m = _GRID_CANDIDATE.match(key)
+    if not m or m.group(2) != pooling:
+      continue
+    block, lr, wd = m.group(1), float(m.group(3)), float(m.group(4))
+    row = {"block": block, "learning_rate": lr, "weight_decay": wd,
+           "accuracy": metrics[key], "holdout_accuracy": metrics[f"val_holdout_{key[4:]}"]}
+    per_block.setdefault(block, []).append(row)
+  if not per_block:
+    raise ValueError(f"no linear probe grid candidates with pooling {pooling!r} in the metrics")
+  rank = lambda row: (-row["holdout_accuracy"], row["learning_rate"], row["weight_decay"])
+  chosen = [min(rows, key=rank) for _, rows in sorted(per_block.items())]
+  return min(chosen, key=lambda row: (-row["holdout_accuracy"], row["block"]))
+
+
+def choice(stage: S.Stage, metrics: dict) -> dict | None:
+  """What a frozen-feature stage chose, for the report's ``Choices`` tables:
+  ``{block, accuracy, holdout_accuracy?, learning_rate?, weight_decay?,
+  pooling?}``. A grid's choice was made on held-out training rows (the
+  block too); a single-setting probe's and kNN's block is the best on the
+  eval split. None for stages without per-block or grid accuracies."""
+  overrides = stage.override_dict()
+  held = sorted(k[len("val_holdout_accuracy_"):] for k in metrics
+                if k.startswith(HOLDOUT_BLOCK_ACCURACY))
+  if held:                                  # a linear probe grid
+    best = max(held, key=lambda b: metrics[f"val_holdout_accuracy_{b}"])
+    poolings = tuple(overrides.get("probe.poolings", ("mean",)))
+    return {"block": str(int(best[len("block_"):])),
+            "accuracy": metrics[f"val_accuracy_{best}"],
+            "holdout_accuracy": metrics[f"val_holdout_accuracy_{best}"],
+            "learning_rate": metrics[f"val_chosen_learning_rate_{best}"],
+            "weight_decay": metrics[f"val_chosen_weight_decay_{best}"],
+            "pooling": poolings[int(metrics[f"val_chosen_pooling_{best}"])]}
+  if "val_chosen_learning_rate" in metrics:  # an attentive probe grid
+    return {"block": "+".join(str(b) for b in overrides.get("probe.blocks", ())),
+            "accuracy": metrics["val_accuracy"],
+            "holdout_accuracy": metrics.get("val_holdout_accuracy"),
+            "learning_rate": metrics["val_chosen_learning_rate"],
+            "weight_decay": metrics["val_chosen_weight_decay"]}
+  blocks = sorted((k, v) for k, v in metrics.items()
+                  if k.startswith(BLOCK_ACCURACY) and v is not None)
+  if blocks:                                # single setting, kNN: the eval split's best
+    key, acc = max(blocks, key=lambda kv: kv[1])
+    return {"block": str(int(key[len(BLOCK_ACCURACY):])), "accuracy": acc}
+  return None
 
 
 def pixel_records(out: pathlib.Path) -> tuple[list[dict], list[str]]:
@@ -373,5 +465,9 @@ def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
     for stage, result in zip(run.stages, results):
       metrics.update({f"{stage.kind}/{k}": v for k, v in derived(result["metrics"]).items()})
     metrics.update({f"last/{k}": v for k, v in derived(results[-1]["metrics"]).items()})
-    out.append({"labels": run.labels, "metrics": metrics})
+    record = {"labels": run.labels, "metrics": metrics}
+    chosen = choice(run.stages[-1], results[-1]["metrics"])
+    if chosen is not None:
+      record["choice"] = chosen
+    out.append(record)
   return out, missing
