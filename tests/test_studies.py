@@ -253,6 +253,17 @@ def test_downstream_linear_table_carries_the_raw_pixel_classifier(tmp_path):
   # Not a row of the tables it has no number for.
   loss = [t for t in tables if t.metrics == ("pretrain/val_loss",)][0]
   assert "raw pixels" not in R.table_markdown(loss, rows)
+  knn = [t for t in tables if t.where.get("family") == "knn"]
+  assert all("raw pixels" not in R.table_markdown(t, rows) for t in knn)
+  # The pixels' kNN, where the file has it: a row of the kNN tables, its
+  # k = 20 the headline beside the stages' best block.
+  (tmp_path / "out" / "pixels.json").write_text(json.dumps(
+      {"logistic": {"val_accuracy": 0.859}, "ridge": {"val_accuracy": 0.827},
+       "knn": {"val_accuracy": {"10": 0.859, "20": 0.849, "100": 0.817, "200": 0.8}}}))
+  rows, _ = runner_lib.comparator_records(runner, study)
+  assert "| raw pixels, kNN | 84.9 |" in R.table_markdown(knn[0], rows)
+  assert "| raw pixels, kNN | 85.9 | 84.9 | 81.7 | 80.0 |" in R.table_markdown(knn[1], rows)
+  assert "raw pixels, kNN" not in R.table_markdown(linear, rows)
 
 
 def test_seeds_multiply_runs_and_reach_every_stage():

@@ -9,9 +9,14 @@ studies' stages (the data sources of darl_jax/data, no augmentation):
   standardised with the training split's per-pixel mean and deviation,
   fitted full-batch with L-BFGS (optax);
 - closed-form ridge regression on one-hot targets (the ridge probe's method,
-  applied to pixels).
+  applied to pixels);
+- the kNN classifier of train/knn.py on the raw pixels in [0, 1] (cosine
+  similarity, the k most similar training images vote exp(similarity / T),
+  T = 0.07, k = 10, 20, 100, 200): the comparator of the kNN rows, which
+  train nothing either, so a trained logistic regression is not their
+  like-for-like floor.
 
-Each L2 strength is chosen from a log grid on the last tenth of the training
+Each L2 strength (not kNN's: nothing is chosen there) is chosen from a log grid on the last tenth of the training
 split (fitted on the other nine tenths); the chosen one is refitted on the
 whole training split and scored once on validation, which therefore plays no
 part in the choice.
@@ -42,6 +47,8 @@ from darl_jax.data import registry
 LOGISTIC_L2 = (1e-5, 1e-4, 1e-3, 1e-2)
 RIDGE_L2 = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
 HOLDOUT = 0.1
+KNN_KS = (10, 20, 100, 200)      # train/knn.py's defaults
+KNN_TEMPERATURE = 0.07
 
 
 def load(data: ml_collections.ConfigDict, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +114,37 @@ def ridge_accuracy(w, x, y) -> float:
   return float(np.mean(np.argmax(xb @ w, -1) == y))
 
 
+def knn_predict(x_train, y_train, x_test, ks=KNN_KS, temperature: float = KNN_TEMPERATURE,
+                chunk: int = 256) -> dict[int, np.ndarray]:
+  """``{k: predicted class [n_test]}`` of the weighted kNN classifier,
+  train/knn.py's rule in NumPy: rows L2-normalised, cosine similarity in
+  float64, the k most similar training rows (equal similarities: the earlier
+  row first) vote ``exp(similarity / temperature)``, the largest vote wins
+  (ties: the lower class); k beyond the training rows takes them all.
+  ``chunk`` test rows at a time bound the memory (chunk x training rows)."""
+  unit = lambda x: x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+  a, b = unit(np.asarray(x_train, np.float64)), unit(np.asarray(x_test, np.float64))
+  num_classes = int(np.max(y_train)) + 1
+  top = min(max(ks), len(a))
+  out = {k: [] for k in ks}
+  for start in range(0, len(b), chunk):
+    sim = b[start:start + chunk] @ a.T
+    order = np.argsort(-sim, axis=1, kind="stable")[:, :top]    # stable: earlier row first
+    weight = np.exp(np.take_along_axis(sim, order, 1) / temperature)
+    onehot = np.eye(num_classes)[np.asarray(y_train)[order]]    # [rows, top, classes]
+    for k in ks:
+      votes = np.einsum("rk,rkc->rc", weight[:, :k], onehot[:, :k])
+      out[k].append(np.argmax(votes, 1))                        # lower class on ties
+  return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def knn_accuracy(x_train, y_train, x_test, y_test, ks=KNN_KS,
+                 temperature: float = KNN_TEMPERATURE) -> dict[int, float]:
+  """``{k: accuracy}`` of ``knn_predict``."""
+  pred = knn_predict(x_train, y_train, x_test, ks, temperature)
+  return {k: float(np.mean(p == np.asarray(y_test))) for k, p in pred.items()}
+
+
 def choose(fit, score, grid, x, y):
   """(best l2, {l2: held-out accuracy}): fitted on the first 90% of the
   training rows, scored on the last 10%."""
@@ -120,6 +158,7 @@ def evaluate(data: ml_collections.ConfigDict, *, iters: int = 300) -> dict:
   start = time.time()
   x_train, y_train = load(data, "train")
   x_val, y_val = load(data, "validation")
+  knn = knn_accuracy(x_train, y_train, x_val, y_val)       # raw [0, 1] pixels
   x_train, x_val = standardise(x_train, x_val)
   k = int(max(y_train.max(), y_val.max())) + 1
   logistic = lambda x, y, l2: fit_logistic(x, y, l2, num_classes=k, iters=iters)
@@ -130,6 +169,8 @@ def evaluate(data: ml_collections.ConfigDict, *, iters: int = 300) -> dict:
     l2, held_out = choose(fit, score, grid, x_train, y_train)
     out[name] = {"l2": l2, "held_out_accuracy": {str(g): a for g, a in held_out.items()},
                  "val_accuracy": score(fit(x_train, y_train, l2), x_val, y_val)}
+  out["knn"] = {"temperature": KNN_TEMPERATURE,
+                "val_accuracy": {str(k): a for k, a in knn.items()}}
   out["seconds"] = round(time.time() - start, 1)
   return out
 

@@ -425,8 +425,11 @@ def choice(stage: S.Stage, metrics: dict) -> dict | None:
 
 
 def pixel_records(out: pathlib.Path) -> tuple[list[dict], list[str]]:
-  """The raw-pixel linear classifiers of ``<out>/pixels.json`` as rows of the
-  linear-probe table (``family=linear``), or the command that makes them."""
+  """The raw-pixel classifiers of ``<out>/pixels.json`` as rows of the
+  linear-probe table (``family=linear``) and, where the file has it, of the
+  kNN tables (``family=knn``: the pixels are one "block", read at every k
+  under the names a kNN stage's ``best_block_accuracy_mean_k<k>`` has), or
+  the command that makes them."""
   result = files.read_json_or_none(out / "pixels.json")
   if result is None:
     return [], [f"raw pixels: python -m darl_jax.studies.pixels --data_path=<dir> "
@@ -437,6 +440,14 @@ def pixel_records(out: pathlib.Path) -> tuple[list[dict], list[str]]:
     rows.append({"labels": {"init": f"raw pixels, {name}", "protocol": "linear classifier",
                             "family": "linear", "seed": 0},
                  "metrics": {"last/val_accuracy": acc, "last/best_block_accuracy": acc}})
+  if "knn" in result:
+    per_k = {int(k): a for k, a in result["knn"]["val_accuracy"].items()}
+    headline = per_k.get(20)
+    metrics = {f"last/best_block_accuracy_mean_k{k}": a for k, a in per_k.items()}
+    if headline is not None:      # the kNN stages' headline k (train/knn.py's report_k)
+      metrics.update({"last/val_accuracy": headline, "last/best_block_accuracy": headline})
+    rows.append({"labels": {"init": "raw pixels, kNN", "protocol": "kNN", "family": "knn",
+                            "seed": 0}, "metrics": metrics})
   return rows, []
 
 
