@@ -212,6 +212,70 @@ def test_job_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert row["accuracy"] == pytest.approx(acc[(1, 20, 200).index(row["k"]), head]), row
 
 
+# The training pass on two CPU devices whose second device falls behind the
+# host: every 8th batch's features spin there for a while (a busy machine's
+# lagging device, made certain). Each merge is traced: was the previous
+# merge finished, and were its own features, when it was dispatched?
+_LAGGING_DEVICE_PASS = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from darl_jax import mesh_axes, sharding
+from darl_jax.train import knn
+
+mesh = sharding.make_mesh({"data": -1})
+batch, num_batches, spins = 4, 48, 3_000_000
+
+def features(params, images):
+  def share(x):
+    v = x.reshape(x.shape[0], -1)
+    slow = (jax.lax.axis_index(mesh_axes.BATCH_AXES) == 1) & (jnp.max(v) > 0)
+    v = jax.lax.fori_loop(0, jnp.where(slow, spins, 1),
+                          lambda i, v: jnp.tanh(v * 1.0001 + 1e-3), v)
+    return knn.l2_normalize(v[:, None, :] + params)
+  return jax.shard_map(share, mesh=mesh, in_specs=P(mesh_axes.BATCH_AXES),
+                       out_specs=P(mesh_axes.BATCH_AXES))(images)
+
+class Source:
+  num_examples = batch * num_batches
+  def eval_batches(self, batch_size, process_index, process_count, num_workers=-1):
+    for i in range(num_batches):
+      yield {"image": np.full((batch_size, 2, 2, 1), 255 if i % 8 == 1 else 0, np.uint8),
+             "label": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32) % 3,
+             "mask": np.ones(batch_size, bool)}
+
+scorer = knn.Scorer(mesh, np.ones((4, 1, 4), np.float32), (1, 2), 2)
+merge, trace = scorer._merge, []
+def traced_merge(nb, test, x, *rest):
+  trace.append([nb.sims.is_ready(), x.is_ready()])
+  return merge(nb, test, x, *rest)
+scorer._merge = traced_merge
+used = knn.stream_train(scorer, jax.jit(features), 1.0, Source(), batch,
+                        sharding.batch_sharding(mesh), batch * num_batches - 3, 0)
+scorer.predictions(3, 0.07)
+print(json.dumps({"used": used, "trace": trace}))
+"""
+
+
+def test_training_pass_waits_for_each_merge_on_a_lagging_device():
+  """The training pass keeps at most one batch in flight (knn.py, Dispatch):
+  run unbounded on 2 devices with XLA's CPU thread pool of 2 (as on a
+  2-core machine, whatever this one has), it queued the lagging device's
+  32nd unfinished program and the merge's all-gather deadlocked: SIGABRT
+  after 40 s. Here every merge must find the previous one finished, also
+  while its own features are still being computed."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+             XLA_FLAGS=cpu_devices_flags(2), PJRT_NPROC="2")
+  proc = subprocess.run([sys.executable, "-c", _LAGGING_DEVICE_PASS], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, _crash_report(proc.stderr)
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["used"] == 4 * 48 - 3 and len(out["trace"]) == 48
+  previous_done, features_done = zip(*out["trace"])
+  assert all(previous_done), [i for i, d in enumerate(previous_done) if not d]
+  assert not all(features_done)          # the device did fall behind the host
+
+
 def test_experiment_config_and_catalog_rows():
   c = runpy.run_path(str(EXPERIMENT))["get_config"](None)
   assert c.trainer == "knn" and tuple(c.knn.ks) == (10, 20, 100, 200)

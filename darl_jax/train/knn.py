@@ -40,6 +40,21 @@ Similarities are computed at full float32 precision
 (``Precision.HIGHEST``): the GPU's default TF32 products would reorder
 near neighbours.
 
+Dispatch. The host runs at most one training batch ahead of the devices:
+each merge is dispatched once the previous one has finished
+(``Scorer.add``), as the train loop keeps at most two steps in flight.
+Nothing else in the pass waits for the devices, and unbounded the host
+can queue a device's 32nd unfinished program, which on a CPU mesh
+deadlocks: XLA's CPU client runs a multi-device program's shares on a
+pool of max(cores, devices) threads, a launch blocks one of those threads
+while its device has 32 programs in flight, and the merge's all-gather
+holds another until every device's share has arrived. With 2 cores and 2
+devices no thread is left for the other share, and XLA aborts the process
+after 40 s (``Termination timeout ... all gather``, SIGABRT); it happened
+when a device fell behind the host on a busy machine. The wait costs no
+overlap: while the host reads the next batch, the devices compute this
+batch's features and merge.
+
 ``k`` larger than the training set (or than a class) needs nothing special:
 the neighbour list is filled with empty entries (similarity -inf, label -1)
 that carry no vote.
@@ -280,7 +295,9 @@ class Scorer:
 
   def add(self, train_feats, train_labels, train_valid) -> None:
     """Merges one training batch (``[B, H, D]`` normalised features, labels,
-    validity; global arrays)."""
+    validity; global arrays), once the previous merge has finished (module
+    docstring, Dispatch)."""
+    jax.block_until_ready(self.nb)
     self.nb = self._merge(self.nb, self.test, train_feats, train_labels, train_valid)
 
   def predictions(self, num_classes: int, temperature: float) -> np.ndarray:
