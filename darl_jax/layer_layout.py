@@ -14,13 +14,18 @@ axis is not split). ``convert(tree, like)`` brings ``tree`` into ``like``'s
 layout wherever the two differ, so that a checkpoint saved in one form
 resumes, initialises and exports a model of the other.
 
+``scanned_twin`` gives a model's scanned form, which the train loop
+initialises a fresh state with (train/loop.py, ``init_state_fn``).
+
 Imports nothing of the package: models/, train/, export and sampling use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +203,28 @@ def differs(tree, like) -> bool:
 def describe(tree) -> str:
   """``"scanned"`` or ``"unrolled"`` blocks, for log lines."""
   return "scanned" if is_scanned(tree) else "unrolled"
+
+
+# ------------------------------------------------------------------ modules
+
+
+def scanned_twin(module):
+  """``module`` (a Flax module) with every stack of blocks scanned: each
+  module in its tree of module fields that has a ``scan_layers`` field gets
+  ``scan_layers=True``. None when nothing changes (no unrolled stack). The
+  twin's parameters are ``module``'s in the scanned layout (``convert``).
+  None too for what is not a Flax module (a trainer's own model object)."""
+  if not isinstance(module, nn.Module):
+    return None
+  changes = {}
+  for field in dataclasses.fields(module):
+    if field.name in ("parent", "name"):
+      continue
+    value = getattr(module, field.name)
+    if isinstance(value, nn.Module):
+      twin = scanned_twin(value)
+      if twin is not None:
+        changes[field.name] = twin
+    elif field.name == "scan_layers" and not value:
+      changes["scan_layers"] = True
+  return module.clone(parent=None, **changes) if changes else None

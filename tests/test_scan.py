@@ -350,3 +350,69 @@ def test_export_writes_the_same_tensors_from_either_layout(tmp_path):
   assert "decoder.blocks.1.mlp.fc1.weight" in tensors[0]
   for name in tensors[0]:
     np.testing.assert_array_equal(tensors[1][name], tensors[0][name], err_msg=name)
+
+
+# ------------------------------------------------ a fresh state's initialisation
+
+
+def _built(scan: bool, depth: int = 3):
+  c = _pretrain_config()
+  c.model.scan_layers = scan
+  c.model.depth = depth
+  return loop.setup(pretrain.PretrainTrainer(c), c)
+
+
+def _fresh_state(scan: bool):
+  return _built(scan).init_state()
+
+
+def test_a_fresh_state_is_the_same_in_either_layout():
+  """The loop draws a fresh state with the model's scanned form
+  (loop.initialising_model): the unrolled run starts from the scanned run's
+  parameters, block for block, the decoder's stack included, and its
+  optimizer state and EMA have the unrolled layout."""
+  unrolled, scanned = _fresh_state(False), _fresh_state(True)
+  assert not layer_layout.is_scanned(unrolled)
+  assert layer_layout.is_scanned(scanned["params"])
+  _assert_trees_close(unrolled["params"], layer_layout.convert(scanned["params"],
+                                                               unrolled["params"]), tol=0)
+  # the blocks differ from each other (one key per layer, not one for all)
+  blocks = unrolled["params"]["backbone"]
+  first, second = (jax.tree.leaves(blocks[b]) for b in ("block_00", "block_01"))
+  assert not all(np.array_equal(x, y) for x, y in zip(first, second))
+  assert jax.tree.structure(unrolled["opt_state"]) == jax.tree.structure(
+      layer_layout.convert(scanned["opt_state"], unrolled["opt_state"]))
+
+
+def test_the_initialisation_draws_one_block_whatever_the_depth():
+  """The program that initialises an unrolled model holds one block's
+  random draws (in the scanned twin's loop body), not one per block: the
+  count of random-bit draws does not grow with depth. Without the scanned
+  twin it grows by a block's draws per block."""
+  def count(jaxpr, name: str) -> int:     # nested jaxprs (jit, scan) included
+    n = 0
+    for eqn in jaxpr.eqns:
+      n += eqn.primitive.name == name
+      for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)
+        if hasattr(inner, "eqns"):
+          n += count(inner, name)
+    return n
+
+  def draws(depth):
+    built = _built(False, depth)
+    return count(jax.make_jaxpr(built.init_state_fn)(built.init_rng()).jaxpr, "random_bits")
+
+  assert draws(2) == draws(5) > 0
+
+
+def test_a_model_that_cannot_scan_initialises_unrolled():
+  """The two-stream backbone refuses model.scan_layers: its state is drawn
+  by the model itself, and the run starts."""
+  c = _pretrain_config()
+  c.model.two_stream = True
+  c.decoder.depth = 1
+  built = loop.setup(pretrain.PretrainTrainer(c), c)
+  assert layer_layout.scanned_twin(built.model) is not None
+  state = built.init_state()
+  assert not layer_layout.is_scanned(state)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -231,3 +232,40 @@ def test_skip_nonfinite_keeps_the_parameters_finite(tmp_path):
   params, _ = final_params(tmp_path)
   assert all(np.isfinite(np.asarray(p, np.float32)).all()
              for p in jax.tree_util.tree_leaves(params))
+
+
+def test_evaluation_keeps_at_most_one_batch_ahead_of_the_devices(monkeypatch):
+  """loop.evaluate waits for batch i - 1's outputs once batch i is
+  dispatched: a host that queued every batch while a device lagged
+  deadlocked XLA:CPU's collectives (train/knn.py, "Dispatch")."""
+  class Source:
+    def eval_batches(self, size, *unused, **unused_kw):
+      for i in range(5):
+        yield {"image": np.full((size, 2, 2, 1), i, np.uint8),
+               "label": np.zeros((size,), np.int32), "mask": np.ones((size,), bool)}
+
+  events = []
+  waited = jax.block_until_ready
+
+  def eval_fn(params, model_state, batch):
+    i = int(batch["image"][0, 0, 0, 0])
+    events.append(("dispatch", i))
+    return {"score": jax.numpy.full((), float(i)), "id": i}
+
+  def block(tree):
+    if tree is not None:
+      events.append(("wait", tree["id"]))
+    return waited(tree)
+
+  monkeypatch.setattr(jax, "block_until_ready", block)
+  config = ml_collections.ConfigDict({"eval_max_batches": 0, "eval_batch_size": 2,
+                                      "batch_size": 2, "data": {"num_workers": 0}})
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  scores = loop.evaluate(None, None, {"params": None, "model_state": None}, Source(), eval_fn,
+                         sharding, config)
+  assert scores["score"] == pytest.approx(1.0)     # (0 + 1 + 2 + 3 + 4) x 2 rows / 10 rows
+  for i in range(1, 5):   # batch i - 1 is waited for once batch i is dispatched ...
+    assert events.index(("dispatch", i)) < events.index(("wait", i - 1))
+  for i in range(1, 4):   # ... and before batch i + 1 is
+    assert events.index(("wait", i - 1)) < events.index(("dispatch", i + 1))

@@ -388,11 +388,16 @@ class Program:
     self.traced = self.jitted.trace(*self.args)
     self.times["trace"] = time.perf_counter() - t0
 
-  def load(self) -> bool:
-    """Loads the saved executable (path_for's) where there is one."""
-    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+  def find_saved(self) -> bool:
+    """Whether a run of this program saved it (sets ``path``, path_for's)."""
     self.path = self.path_for(self.traced) if self.path_for else None
-    if self.path is None or not self.path.exists():
+    return self.path is not None and self.path.exists()
+
+  def load(self) -> bool:
+    """Loads the saved executable (``find_saved``'s); False where it does
+    not load (then it is to be lowered and compiled)."""
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    if not self.find_saved():
       return False
     t0 = time.perf_counter()
     loaded = executables.load(self.path)
@@ -448,27 +453,37 @@ def compile_threads(num_programs: int) -> int:
 
 
 def compile_programs(programs: list[Program], *, after: Callable | None = None) -> float:
-  """Every one of ``programs`` traced, then loaded or lowered, one after the
-  other in this thread (Python work, under the GIL), then compiled on a
-  thread pool of :func:`compile_threads`: XLA's compile releases the GIL,
-  so with host cores to spare the programs compile side by side. ``after(program)`` then runs on each program in
-  this thread (the train step's memory check and automatic microbatch,
-  which may compile it again); it may raise, and a program XLA refused for
-  want of memory that it leaves uncompiled raises CompilerOutOfMemory.
-  Saves what compiled (Program.save) and logs one line per program.
-  Returns the seconds it took."""
+  """Every one of ``programs``, in order (the train step first), traced in
+  this thread, then loaded where a run saved it or else lowered in this
+  thread (Python work, under the GIL), and handed at once to a thread pool
+  of :func:`compile_threads` that loads or compiles it (XLA's work, outside
+  the GIL) while this thread goes on to the next program: the first
+  program compiles while the others are still being lowered, and a warm
+  start waits for the slowest load, not for their sum. A saved program
+  that does not load is lowered and compiled after the others.
+  ``after(program)`` then runs on each program in this thread (the train
+  step's memory check and automatic microbatch, which may compile it
+  again); it may raise, and a program XLA refused for want of memory that
+  it leaves uncompiled raises CompilerOutOfMemory. Saves what compiled
+  (Program.save) and logs one line per program. Returns the seconds it
+  took."""
   t0 = time.perf_counter()
-  to_compile = []
-  for program in programs:
-    program.trace()
-    if not program.load():
-      program.lower()
-      to_compile.append(program)
-  threads = compile_threads(len(to_compile))
+  threads = compile_threads(len(programs))
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-    futures = {pool.submit(program.compile): program for program in to_compile}
+    futures = {}
     try:
-      for future in concurrent.futures.as_completed(futures):
+      for program in programs:
+        program.trace()
+        if program.find_saved():
+          futures[pool.submit(program.load)] = program
+        else:
+          program.lower()
+          futures[pool.submit(program.compile)] = program
+      unloaded = [futures[f] for f in concurrent.futures.as_completed(futures)
+                  if f.result() is False]           # only a failed load returns False
+      for program in unloaded:
+        program.lower()
+      for future in [pool.submit(program.compile) for program in unloaded]:
         future.result()
     except BaseException:
       for future in futures:
@@ -483,7 +498,7 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
     logging.info("start-up: %s: %s", program.name, program.describe())
   seconds = time.perf_counter() - t0
   if len(programs) > 1:
+    loaded = sum("load" in program.times for program in programs)
     logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
-                 len(programs), seconds, len(to_compile), threads,
-                 len(programs) - len(to_compile))
+                 len(programs), seconds, len(programs) - loaded, threads, loaded)
   return seconds

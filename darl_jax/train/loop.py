@@ -188,6 +188,7 @@ def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> d
   batches = eval_source.eval_batches(config.eval_batch_size or config.batch_size,
                                      jax.process_index(), jax.process_count(),
                                      num_workers=config.data.get("num_workers", -1))
+  previous = None
   for i, batch in enumerate(batches):
     if max_batches and i >= max_batches:
       break
@@ -196,6 +197,12 @@ def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> d
     for k, v in out.items():
       sums[k] = sums.get(k, 0.0) + v
     count += jnp.sum(batch["mask"])
+    # At most one batch ahead of the devices, as the train loop's IN_FLIGHT:
+    # a host that queues batch after batch while one device lags fills that
+    # device's queue, and XLA:CPU's client then deadlocks in a collective
+    # and aborts (train/knn.py, "Dispatch", has the mechanism).
+    jax.block_until_ready(previous)
+    previous = out
   count = float(count)
   return {k: float(v) / max(count, 1.0) for k, v in sums.items()}
 
@@ -317,14 +324,21 @@ def make_eval_step(trainer: Trainer, model, base_rng, mesh=None) -> Callable:
   return eval_step
 
 
-def init_state_fn(trainer: Trainer, model, tx, init_batch, ema_decay: float = 0.0) -> Callable:
+def init_state_fn(trainer: Trainer, model, tx, init_batch, ema_decay: float = 0.0, *,
+                  init_model=None, layout=None) -> Callable:
   """``rng -> state``: parameters, optimizer state, model state, counters and
   (``ema_decay > 0``) an empty EMA, which needs no copy of the parameters
   (darl_jax/ema.py): pretrained ones swapped in later are averaged from the
-  first step on."""
+  first step on. ``init_model``: the model whose initialisation draws the
+  variables (``initialising_model``), converted to ``layout``'s block
+  layout (``model``'s abstract variables; layer_layout.convert)."""
 
   def init_state(rng):
-    variables = dict(trainer.init_variables(model, rng, init_batch))
+    if init_model is None:
+      variables = dict(trainer.init_variables(model, rng, init_batch))
+    else:
+      variables = layer_layout.convert(
+          dict(trainer.init_variables(init_model, rng, init_batch)), layout)
     params = variables.pop("params")
     state = {"step": jnp.zeros((), jnp.int32), "params": params,
              "opt_state": tx.init(params), "model_state": variables,
@@ -334,6 +348,43 @@ def init_state_fn(trainer: Trainer, model, tx, init_batch, ema_decay: float = 0.
     return state
 
   return init_state
+
+
+def initialising_model(init_params_fn: Callable, model, abstract_vars: dict):
+  """The model a fresh state's variables are drawn with: ``model``'s scanned
+  twin (layer_layout.scanned_twin) where ``model`` unrolls its blocks,
+  None (``model`` itself) where it scans them or cannot scan (the
+  two-stream backbone). ``init_params_fn``: ``(model, rng) -> variables``.
+
+  Why: in the unrolled model each block draws its parameters from its own
+  key, a constant of the program, so XLA compiles every block's random
+  draws into kernels of their own that no two blocks share. The H/14
+  initialisation compiled for 58.7 s on the H200, longer than its train
+  step (41.0 s), and so set the time to the first step. The scanned twin
+  draws all blocks in one loop body, compiled once whatever the depth.
+  What it changes: the parameters have the same shapes and initialisers,
+  but not the values the unrolled model's own ``init`` gave (each block's
+  key is the stack's key split per layer instead of folded in with the
+  block's name). A fresh run's initial parameters are therefore the same
+  for ``model.scan_layers`` True and False (same seed, same values in
+  either layout), and differ from those of runs made before this change.
+  """
+  twin = layer_layout.scanned_twin(model)
+  if twin is None:
+    return None
+  try:
+    twin_vars = jax.eval_shape(lambda rng: init_params_fn(twin, rng), jax.random.PRNGKey(0))
+  except ValueError:        # a model that refuses model.scan_layers
+    return None
+  converted = layer_layout.convert(dict(twin_vars), abstract_vars)
+  same = (jax.tree_util.tree_structure(converted) == jax.tree_util.tree_structure(abstract_vars)
+          and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(
+              jax.tree_util.tree_leaves(converted), jax.tree_util.tree_leaves(abstract_vars))))
+  if not same:
+    logging.warning("the model's scanned form holds other variables than the model; the "
+                    "state is initialised with the unrolled model (slower to compile)")
+    return None
+  return twin
 
 
 def restore_target(abstract_state: dict, saved) -> dict:
@@ -521,17 +572,19 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
   init_batch = {"image": jnp.zeros((1, h, w, c), jnp.float32),
                 "label": jnp.zeros((1,), jnp.int32)}
 
-  def init_params_fn(rng):
-    return trainer.init_variables(model, rng, init_batch)
+  def init_params_fn(module, rng):
+    return trainer.init_variables(module, rng, init_batch)
 
-  abstract_vars = jax.eval_shape(init_params_fn, base_rng)
+  abstract_vars = jax.eval_shape(functools.partial(init_params_fn, model), base_rng)
   tx, hyperparams = optim.make_train_optimizer(config.optim, abstract_vars["params"],
                                                total_steps=total_steps,
                                                steps_per_epoch=steps_per_epoch,
                                                batch_size=config.batch_size)
 
   ema_decay = float(config.get("ema_decay", 0.0) or 0.0)
-  init_state = init_state_fn(trainer, model, tx, init_batch, ema_decay)
+  init_state = init_state_fn(trainer, model, tx, init_batch, ema_decay,
+                             init_model=initialising_model(init_params_fn, model, abstract_vars),
+                             layout=abstract_vars)
 
   # ----------------------------------------------------------- sharded state
   abstract_state = jax.eval_shape(init_state, base_rng)
@@ -656,6 +709,25 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   # and the picture it uses, the newest checkpoint's step tells (a hint: a
   # program it did not foresee is jitted when used).
   saved = newest_saved_step(workdir)
+
+  def start_feed(start_step: int, data_state):
+    """The thread that puts the host pipeline's batches (from ``start_step``
+    / ``data_state``) on the devices, closed by ``cleanup``, and the
+    pipeline's number of data streams, read before the thread starts
+    iterating it."""
+    host_batches = train_source.train_iterator(
+        config.batch_size, start_step=start_step, process_index=jax.process_index(),
+        process_count=jax.process_count(), num_workers=config.data.get("num_workers", -1),
+        state=data_state)
+    streams = (feed_lib.state_of(host_batches) or {}).get("streams", 1)
+    feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
+    cleanup.callback(feed.close)
+    return feed, streams
+
+  # A fresh run's data starts from step 0 whatever the checkpoint: its
+  # workers start and fill the feed while the programs compile or load
+  # (a resume learns its data position from the checkpoint, read below).
+  early = start_feed(0, None) if saved is None else None
   stop_after = config.get("stop_after_steps", 0)
   finalizes = stop_after <= 0 or (saved or 0) + stop_after >= total_steps
   programs = compile_programs(
@@ -740,20 +812,19 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
 
   # ---------------------------------------------------------------- the loop
   resume_data_state = resume_meta.get("data_state")
-  host_batches = train_source.train_iterator(
-      config.batch_size, start_step=start_step, process_index=jax.process_index(),
-      process_count=jax.process_count(), num_workers=config.data.get("num_workers", -1),
-      state=resume_data_state)
+  if early is not None and start_step == 0:
+    feed, streams = early
+  else:
+    if early is not None:       # a checkpoint appeared since: its position counts
+      early[0].close()
+    feed, streams = start_feed(start_step, resume_data_state)
   data_state = resume_data_state
   topology = config_lib.topology(
       mesh.shape, jax.process_count(),
       data_pipeline.resolve_num_workers(config.data.get("num_workers", -1)))
-  moved = config_lib.topology_change(resume_meta, topology, config.batch_size,
-                                     (feed_lib.state_of(host_batches) or {}).get("streams", 1))
+  moved = config_lib.topology_change(resume_meta, topology, config.batch_size, streams)
   if moved:
     logging.info("%s", moved)
-  feed = feed_lib.DeviceFeed(host_batches, batch_sharding)
-  cleanup.callback(feed.close)
   clock = feed_lib.StepClock(feed)
   progress = metrics_lib.Progress(total_steps, config.batch_size, start_step=start_step)
   param_norm = jax.jit(optax.tree.norm)
