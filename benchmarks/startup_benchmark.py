@@ -147,6 +147,8 @@ def main(argv=None):
   parser.add_argument("--timeout", type=float, default=560,
                       help="seconds per run (one device call is 10 minutes)")
   parser.add_argument("--json", default="", help="append each run's summary to this file")
+  parser.add_argument("--runs", default="cold,warm",
+                      help="which runs: cold, warm or both (warm after cold shares its caches)")
   args, extra = parser.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
   warm_steps = args.warm_steps or args.steps + 10
@@ -163,7 +165,12 @@ def main(argv=None):
   cache = args.cache or os.path.join(scratch, "cache")
   rows = {}
   try:
+    runs = [r for r in args.runs.split(",") if r]
+    if not runs or set(runs) - {"cold", "warm"}:
+      parser.error(f"--runs={args.runs}: a comma-separated subset of cold,warm")
     for name, steps in (("cold", args.steps), ("warm", warm_steps)):
+      if name not in runs:
+        continue
       overrides = [f"--config.total_steps={steps}", f"--config.log_every_steps={args.log_every}",
                    f"--config.eval_every_steps={args.steps}",
                    f"--config.checkpoint_every_steps={steps}", "--config.tensorboard=False",
