@@ -228,6 +228,20 @@ def test_readout_and_prefix_read_their_checkpoints_with_the_probe_grid_at_fmnist
             for r in study.runs]
     assert "None" not in R.table_markdown(study.tables[0], recs)
     assert "| 80.0 ± 0.0 (3) |" in R.table_markdown(study.tables[1], recs)
+  # The prefix study also gives the mask gap within each pretraining: full
+  # attention against causal reading of the same pretraining's grid rows.
+  prefix = catalog.get_study("prefix", long)
+  recs = [{"labels": r.labels, "metrics": {"last/chosen_block_accuracy":
+          0.86 - (0.03 if r.labels["pretraining"] == "causal" and r.labels["probing"] == "full"
+                  else 0.0) + 0.002 * r.labels["seed"]}}
+          for r in prefix.runs if r.labels.get("protocol") == "linear probe grid"]
+  rows = {line.split(" | ")[0][2:]: line for line in
+          R.comparisons_markdown(prefix.comparisons, recs).splitlines()}
+  causal_gap = rows["linear probe grid, causal pretraining: full attention against causal reading"]
+  prefix_gap = rows["linear probe grid, prefix-causal pretraining: full attention against "
+                    "causal reading"]
+  assert "| -3.00 ± 0.16 (18.3 SE) | beyond noise |" in causal_gap
+  assert "| +0.00 ± 0.16 (0.0 SE) | within noise |" in prefix_gap
   for scale in ("tiny", "fmnist"):       # the runner's test study stays as it is
     for name in ("readout", "prefix"):
       study = catalog.get_study(name, S.get_scale(scale), seeds=1)

@@ -490,7 +490,14 @@ fine-tuning above causal pretraining's?""",
           + [R.Comparison(f"linear probe grid read with {mask} attention: prefix-causal "
                           "against causal pretraining", {"pretraining": "prefix-causal"},
                           {"pretraining": "causal"}, CHOSEN, where={**GRID, "probing": mask})
-             for mask, _ in MASKS if probed]))
+             for mask, _ in MASKS if probed]
+          # The question within each pretraining: what reading the frozen
+          # model with full attention costs against the causal mask it was
+          # pretrained with (AIM's prefix is meant to remove that cost).
+          + [R.Comparison(f"linear probe grid, {pretraining} pretraining: full attention "
+                          "against causal reading", {"probing": "full"}, {"probing": "causal"},
+                          CHOSEN, where={**GRID, "pretraining": pretraining})
+             for pretraining in ("causal", "prefix-causal") if probed]))
 
 
 def downstream(scale: S.Scale, seeds: int) -> S.Study:
