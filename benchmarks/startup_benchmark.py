@@ -82,11 +82,12 @@ def run(config: str, workdir: str, overrides: list[str], cache: str, final_step:
   start = time.perf_counter()
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-  lines, first_step, last_save = [], None, None
+  lines, arrivals, first_step, last_save = [], [], None, None
   deadline = start + timeout
   for line in proc.stdout:
     now = time.perf_counter() - start
     lines.append(line)
+    arrivals.append(now)
     if first_step is None and "first step done" in line:
       first_step = now
     if f"Saving checkpoint for step {final_step} " in line:
@@ -104,7 +105,7 @@ def run(config: str, workdir: str, overrides: list[str], cache: str, final_step:
   if os.path.exists(path):
     with open(path) as f:
       records = [json.loads(line) for line in f if line.strip()]
-  return {"lines": lines, "records": [r for r in records if "img_per_sec" in r],
+  return {"lines": lines, "arrivals": arrivals, "records": [r for r in records if "img_per_sec" in r],
           "first_step_s": first_step, "wall_s": exited,
           "exit_after_last_checkpoint_s": None if last_save is None else exited - last_save,
           "phases": phases(lines)}
@@ -147,6 +148,9 @@ def main(argv=None):
   parser.add_argument("--timeout", type=float, default=560,
                       help="seconds per run (one device call is 10 minutes)")
   parser.add_argument("--json", default="", help="append each run's summary to this file")
+  parser.add_argument("--logs", default="",
+                      help="write each run's log here as <run>.log, each line with the "
+                           "seconds since launch it arrived at")
   parser.add_argument("--runs", default="cold,warm",
                       help="which runs: cold, warm or both (warm after cold shares its caches)")
   args, extra = parser.parse_known_args(argv)
@@ -178,6 +182,11 @@ def main(argv=None):
       result = run(args.config, os.path.join(scratch, name), overrides, cache, steps,
                    args.timeout)
       rows[name] = summary(result, args.skip)
+      if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+        with open(os.path.join(args.logs, f"{name}.log"), "w") as f:
+          f.writelines(f"{t:7.2f} {line}" for t, line in zip(result["arrivals"],
+                                                              result["lines"]))
       print(name, json.dumps(rows[name]), flush=True)
       if args.json:
         with open(args.json, "a") as f:

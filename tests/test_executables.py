@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -21,11 +22,10 @@ from darl_jax.train import executables
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _program(directory):
-  f = jax.jit(lambda s, x: (s + x.sum(), {"loss": x.mean()}), donate_argnums=(0,))
+def _program(directory, scale=1.0):
+  f = jax.jit(lambda s, x: (s + scale * x.sum(), {"loss": x.mean()}), donate_argnums=(0,))
   args = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32))
-  return aot.Program("small step", f, args, lambda traced: directory / "k1.bin",
-                     info={"microbatch_size": 4})
+  return aot.Program("small step", f, args, directory / "k1.bin", info={"microbatch_size": 4})
 
 
 class CompileCounter:
@@ -66,6 +66,50 @@ def test_a_broken_file_is_removed_and_the_program_compiled(tmp_path, monkeypatch
   # The broken file was replaced by a good one, which now loads.
   aot.compile_programs([_program(tmp_path)])
   assert counter.calls == 1
+
+
+def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, monkeypatch,
+                                                                     caplog):
+  """The file is named before tracing; the jaxpr saved inside decides: a
+  program changed by what the name does not cover (here a constant of the
+  function) compiles, runs its own arithmetic, and replaces the file."""
+  counter = CompileCounter(monkeypatch)
+  aot.compile_programs([_program(tmp_path)])
+  changed = _program(tmp_path, scale=2.0)
+  aot.compile_programs([changed])
+  assert counter.calls == 2 and "load" not in changed.times and "compile" in changed.times
+  assert "compiled from another program" in caplog.text
+  x = jnp.ones((4, 3))
+  assert float(changed.compiled(jnp.zeros(()), x)[0]) == 24.0
+  again = _program(tmp_path, scale=2.0)
+  aot.compile_programs([again])                       # the replaced file is its own
+  assert counter.calls == 2 and "load" in again.times
+  assert float(again.compiled(jnp.zeros(()), x)[0]) == 24.0
+
+
+def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
+  """The load is handed to the pool before the trace begins (a warm start
+  waits for the longer of the two, not their sum)."""
+  aot.compile_programs([_program(tmp_path)])
+  events, load_started = [], threading.Event()
+  real_load, real_trace = aot.Program.load, aot.Program.trace
+
+  def load(self):
+    events.append("load starts")
+    load_started.set()
+    return real_load(self)
+
+  def trace(self):
+    load_started.wait(timeout=5)      # a load handed over before the trace has begun
+    real_trace(self)
+    events.append("trace ends")
+
+  monkeypatch.setattr(aot.Program, "load", load)
+  monkeypatch.setattr(aot.Program, "trace", trace)
+  program = _program(tmp_path)
+  aot.compile_programs([program])
+  assert "load" in program.times
+  assert events.index("load starts") < events.index("trace ends")
 
 
 def _mesh(kind="cpu", count=1):

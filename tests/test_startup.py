@@ -357,7 +357,8 @@ def test_startup_benchmark_runs_a_config_cold_then_warm(tmp_path):
   done = subprocess.run(
       [sys.executable, str(ROOT / "benchmarks" / "startup_benchmark.py"),
        "--config=tests/tiny_config.py:objective=diffusion", "--steps=2", "--warm_steps=3",
-       "--log_every=1", "--skip=0", "--data=config", f"--json={out}"],
+       "--log_every=1", "--skip=0", "--data=config", f"--json={out}",
+       f"--logs={tmp_path / 'logs'}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   rows = {r["run"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -366,8 +367,12 @@ def test_startup_benchmark_runs_a_config_cold_then_warm(tmp_path):
     assert 0 < row["first_step_s"] < row["wall_s"] and row["img_s"] > 0
     assert 0 <= row["exit_after_last_checkpoint_s"] < row["wall_s"]
     for phase in ("setup", "train step trace", "eval step trace", "init step trace",
-                  "picture trace", "programs ready", "initialisation", "first batch"):
+                  "picture trace", "programs ready", "initialisation", "first batch", "data"):
       assert f"phase: {phase}" in row, (phase, row)
+  for name in ("cold", "warm"):       # each line with its arrival, seconds since launch
+    log = (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
+    done_at = [float(line.split()[0]) for line in log if "first step done" in line]
+    assert len(done_at) == 1 and abs(done_at[0] - rows[name]["first_step_s"]) < 0.01
   assert "phase: train step compile" in rows["cold"]
   table = done.stdout[done.stdout.index("| | cold | warm |"):]
   assert "| first_step_s |" in table and "| exit_after_last_checkpoint_s |" in table

@@ -368,20 +368,22 @@ class Program:
 
   ``jitted`` is traced and lowered on ``args`` (ShapeDtypeStructs) in the
   calling thread, then compiled beside the others (:func:`compile_programs`);
-  ``path`` (``path_for(traced)``), where given, is the saved executable a
-  rerun loads instead (train/executables.py). ``times``: the seconds of
+  ``path``, where given, is the file its executable is saved as, which a
+  rerun loads instead (train/executables.py): named before tracing, so that
+  the load runs while the program is traced, and used only where the
+  trace's jaxpr is the one saved with it. ``times``: the seconds of
   ``trace``, ``lower``, ``compile`` or ``load``."""
   name: str
   jitted: Callable
   args: tuple
-  path_for: Callable | None = None
+  path: object = None
   traced: object = None
   lowered: object = None
   compiled: object = None
-  path: object = None
   info: dict = dataclasses.field(default_factory=dict)   # saved with the executable
   times: dict = dataclasses.field(default_factory=dict)
   refused: CompilerOutOfMemory | None = None   # XLA's refusal for want of memory
+  saved_jaxpr: str = ""         # the loaded executable's program (its jaxpr's digest)
 
   def trace(self) -> None:
     t0 = time.perf_counter()
@@ -389,13 +391,13 @@ class Program:
     self.times["trace"] = time.perf_counter() - t0
 
   def find_saved(self) -> bool:
-    """Whether a run of this program saved it (sets ``path``, path_for's)."""
-    self.path = self.path_for(self.traced) if self.path_for else None
+    """Whether a run saved this program's file."""
     return self.path is not None and self.path.exists()
 
   def load(self) -> bool:
-    """Loads the saved executable (``find_saved``'s); False where it does
-    not load (then it is to be lowered and compiled)."""
+    """Loads the saved executable; False where there is none or it does not
+    load (then it is to be lowered and compiled). Whether it is this
+    program, :meth:`loaded_matches` tells once the program is traced."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     if not self.find_saved():
       return False
@@ -403,9 +405,24 @@ class Program:
     loaded = executables.load(self.path)
     if loaded is None:
       return False
-    self.compiled, self.info = loaded
+    self.compiled, info = loaded
+    self.saved_jaxpr = info.pop(executables.JAXPR_KEY, "")
+    self.info = info
     self.times["load"] = time.perf_counter() - t0
     return True
+
+  def loaded_matches(self) -> bool:
+    """Whether the loaded executable was compiled from this trace's program;
+    where not (code outside the key changed it), it is dropped, with one
+    log line, for the caller to lower and compile."""
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    if self.saved_jaxpr == executables.jaxpr_digest(self.traced):
+      return True
+    logging.warning("the saved %s (%s) was compiled from another program than this "
+                    "run's; compiling it instead", self.name, self.path)
+    self.compiled, self.saved_jaxpr = None, ""
+    self.times.pop("load", None)
+    return False
 
   def lower(self) -> None:
     t0 = time.perf_counter()
@@ -424,15 +441,19 @@ class Program:
     return self.compiled
 
   def save(self) -> None:
-    """Saves what was compiled (process 0 only), where a path is given."""
+    """Saves what was compiled (process 0 only), where a path is given, with
+    the digest of the jaxpr it was traced as (what a rerun's trace must
+    match)."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    info = {**self.info, executables.JAXPR_KEY: executables.jaxpr_digest(self.traced)}
     if (self.path is not None and "compile" in self.times and jax.process_index() == 0
-        and executables.save(self.path, self.compiled, self.info)):
+        and executables.save(self.path, self.compiled, info)):
       logging.info("saved the compiled %s as %s for the next run", self.name, self.path)
 
   def describe(self) -> str:
     """``trace 0.4 s, lower 1.2 s, compile 3.1 s`` or ``trace 0.4 s, load 0.2 s``."""
-    return ", ".join(f"{k} {v:.1f} s" for k, v in self.times.items())
+    order = ("trace", "lower", "compile", "load")
+    return ", ".join(f"{k} {self.times[k]:.1f} s" for k in order if k in self.times)
 
 
 def compile_threads(num_programs: int) -> int:
@@ -453,34 +474,40 @@ def compile_threads(num_programs: int) -> int:
 
 
 def compile_programs(programs: list[Program], *, after: Callable | None = None) -> float:
-  """Every one of ``programs``, in order (the train step first), traced in
-  this thread, then loaded where a run saved it or else lowered in this
-  thread (Python work, under the GIL), and handed at once to a thread pool
-  of :func:`compile_threads` that loads or compiles it (XLA's work, outside
-  the GIL) while this thread goes on to the next program: the first
-  program compiles while the others are still being lowered, and a warm
-  start waits for the slowest load, not for their sum. A saved program
-  that does not load is lowered and compiled after the others.
-  ``after(program)`` then runs on each program in this thread (the train
-  step's memory check and automatic microbatch, which may compile it
-  again); it may raise, and a program XLA refused for want of memory that
-  it leaves uncompiled raises CompilerOutOfMemory. Saves what compiled
-  (Program.save) and logs one line per program. Returns the seconds it
-  took."""
+  """Every one of ``programs``, in order (the train step first): where a run
+  saved it, its load is handed at once to a thread pool of
+  :func:`compile_threads` (XLA's work, outside the GIL) and runs while this
+  thread traces it; otherwise it is traced and lowered in this thread
+  (Python work, under the GIL) and handed to the pool to compile while this
+  thread goes on to the next program. So the first program compiles while
+  the others are still being lowered, and a warm start waits for its
+  traces or its slowest load, not for their sum. A saved program that does
+  not load, or was compiled from another jaxpr than this trace's, is
+  lowered and compiled after the others. ``after(program)`` then runs on
+  each program in this thread (the train step's memory check and automatic
+  microbatch, which may compile it again); it may raise, and a program XLA
+  refused for want of memory that it leaves uncompiled raises
+  CompilerOutOfMemory. Saves what compiled (Program.save) and logs one line
+  per program. Returns the seconds it took."""
   t0 = time.perf_counter()
   threads = compile_threads(len(programs))
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
     futures = {}
     try:
       for program in programs:
-        program.trace()
-        if program.find_saved():
+        loading = program.find_saved()
+        if loading:
           futures[pool.submit(program.load)] = program
-        else:
+        program.trace()
+        if not loading:
           program.lower()
           futures[pool.submit(program.compile)] = program
-      unloaded = [futures[f] for f in concurrent.futures.as_completed(futures)
-                  if f.result() is False]           # only a failed load returns False
+      unloaded = []
+      for future in concurrent.futures.as_completed(futures):
+        program = futures[future]
+        if future.result() is False or ("load" in program.times
+                                        and not program.loaded_matches()):
+          unloaded.append(program)        # only a load returns False
       for program in unloaded:
         program.lower()
       for future in [pool.submit(program.compile) for program in unloaded]:

@@ -8,17 +8,21 @@ serialized (``jax.experimental.serialize_executable``) into
 ``<cache dir>/executables/<key>.bin``, and a rerun or resume whose key
 matches loads it instead: no lowering or compiling.
 
-The key is a digest of the traced program's jaxpr (tracing takes seconds;
-it is lowering and compiling that a match skips) and of everything that
-can change the program without showing in it: the resolved config less the
-keys that do not reach the program (``NOT_PROGRAM_KEYS``: run length and
-cadence, where things are written; ``NOT_PROGRAM_OPTIM_KEYS``: the
-schedule's scalars, inputs of the step, or literals of the jaxpr where a
-program reads them), the source of every darl_jax module and of the
-trainer's class (custom gradient rules are not in a jaxpr's text), the
-versions of jax, jaxlib and the libraries the step calls, the devices
-(platform, kind, count, ids), the mesh, the kernels chosen and the
-program's name.
+The file's name is a digest of everything the program is built from,
+known before it is traced, so that its load runs while the program is
+traced: the resolved config less the keys that do not reach the program
+(``NOT_PROGRAM_KEYS``: run length and cadence, where things are written;
+``NOT_PROGRAM_OPTIM_KEYS``: the schedule's scalars, inputs of the step, or
+literals of the jaxpr where a program reads them), the source of every
+darl_jax module and of the trainer's class (custom gradient rules are not
+in a jaxpr's text), the versions of jax, jaxlib and the libraries the step
+calls, the devices (platform, kind, count, ids), the mesh, the kernels
+chosen and the program's name. Inside the file is the digest of the traced
+program's jaxpr (``JAXPR_KEY``); the loaded executable is used only where
+this run's trace has the same (tracing takes seconds; it is lowering and
+compiling that a match skips), so what the name misses (code outside
+darl_jax, a library changed under the same version) recompiles, and the
+new program replaces the file.
 
 On by default where saved executables load in a new process and run: GPUs
 (measured on an H200: a saved B/16 train step loaded in 1.7 s in a new
@@ -102,6 +106,10 @@ def program_key(config, mesh, *, kernels="", extra=None) -> str:
       "extra": extra,
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+# The entry of a saved executable's info that holds its jaxpr's digest.
+JAXPR_KEY = "_jaxpr"
 
 
 def jaxpr_digest(traced) -> str:
@@ -194,16 +202,13 @@ def save(path: Path, compiled, info: dict | None = None) -> bool:
 
 
 def path_for(directory: Path | None, config, mesh, name: str, *, kernels="", trainer=None,
-             extra=None) -> Callable[[object], Path | None]:
-  """``traced -> <directory>/<key>.bin``: the file the program ``name``
-  traced as ``traced`` is saved as (``extra``: what else its program
-  depends on); always None where ``directory`` is None (off)."""
-  def path(traced):
-    if directory is None:
-      return None
-    key = program_key(config, mesh, kernels=kernels, extra={
-        "name": name, "program": jaxpr_digest(traced), "trainer": trainer_digest(trainer),
-        "extra": extra})
-    return directory / f"{key}.bin"
-  return path
-
+             extra=None) -> Path | None:
+  """``<directory>/<key>.bin``: the file the program ``name`` is saved as
+  (``extra``: what else its program depends on), named before the program
+  is traced (its jaxpr's digest is saved inside and checked by the loader,
+  aot.Program); None where ``directory`` is None (off)."""
+  if directory is None:
+    return None
+  key = program_key(config, mesh, kernels=kernels, extra={
+      "name": name, "trainer": trainer_digest(trainer), "extra": extra})
+  return directory / f"{key}.bin"

@@ -68,7 +68,9 @@ class DeviceFeed:
   iterator's ``get_state()`` right after this batch (None if it has none),
   the position a checkpoint taken after this batch's step must store.
   Errors of the host pipeline are raised in the consumer. ``wait_s`` is the
-  total time the consumer spent blocked waiting for a batch.
+  total time the consumer spent blocked waiting for a batch;
+  ``first_batch_s`` the seconds from the feed's start to the host
+  pipeline's first batch (its workers' start-up; None until it came).
   """
 
   def __init__(self, host_iter: Iterator, sharding, size: int = 2):
@@ -76,6 +78,8 @@ class DeviceFeed:
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._stop = threading.Event()
     self.wait_s = 0.0
+    self.first_batch_s = None
+    self._started = time.perf_counter()
     self._thread = threading.Thread(target=self._work, args=(host_iter, sharding),
                                     daemon=True)
     self._thread.start()
@@ -93,6 +97,8 @@ class DeviceFeed:
     try:
       while not self._stop.is_set():
         batch = next(it)
+        if self.first_batch_s is None:
+          self.first_batch_s = time.perf_counter() - self._started
         if not self._put((to_global(batch, sharding), state_of(it))):
           return
     except BaseException as e:  # pylint: disable=broad-except  # raised in the consumer

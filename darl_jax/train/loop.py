@@ -862,6 +862,9 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     if step == start_step + 1:
       jax.block_until_ready(metrics["loss"])
       logging.info("start-up: first batch: waited %.1f s", feed.wait_s)
+      if feed.first_batch_s is not None:
+        logging.info("start-up: data: the first host batch came %.1f s after the pipeline "
+                     "started", feed.first_batch_s)
       logging.info("start-up: first step done %.1f s after the run started",
                    time.perf_counter() - started)
       clock.skip()    # the first step's compilation is not a step's time

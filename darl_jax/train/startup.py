@@ -90,7 +90,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
   state, args = built.abstract_state, (built.abstract_state, built.abstract_batch,
                                        built.abstract_hyper)
   train = aot.Program("train step", built.make_step(batch_size // first), args,
-                      path_for("train step", {"capacity": capacity}),
+                      path_for("train step", {"capacity": capacity, "microbatch": first}),
                       info={"microbatch_size": first})
   programs = [train]
   if eval_step:
