@@ -74,7 +74,7 @@ def phases(lines: list[str]) -> dict:
 
 
 def run(config: str, workdir: str, overrides: list[str], cache: str, final_step: int,
-        timeout: float) -> dict:
+        timeout: float, logs: str = "", name: str = "run") -> dict:
   """One CLI run; its log timed line by line as it arrives."""
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
   cmd = [sys.executable, "-m", "darl_jax.main", f"--config={config}", f"--workdir={workdir}",
@@ -97,6 +97,10 @@ def run(config: str, workdir: str, overrides: list[str], cache: str, final_step:
       break
   code = proc.wait()
   exited = time.perf_counter() - start
+  if logs:      # also, and above all, when the run failed
+    os.makedirs(logs, exist_ok=True)
+    with open(os.path.join(logs, f"{name}.log"), "w") as f:
+      f.writelines(f"{t:7.2f} {line}" for t, line in zip(arrivals, lines))
   if code:
     raise RuntimeError(f"the CLI failed (exit {code}): {' '.join(cmd)}\n"
                        + "".join(lines[-40:]))
@@ -180,13 +184,8 @@ def main(argv=None):
                    f"--config.checkpoint_every_steps={steps}", "--config.tensorboard=False",
                    *([f"--config.batch_size={args.batch}"] if args.batch else []), *data, *extra]
       result = run(args.config, os.path.join(scratch, name), overrides, cache, steps,
-                   args.timeout)
+                   args.timeout, logs=args.logs, name=name)
       rows[name] = summary(result, args.skip)
-      if args.logs:
-        os.makedirs(args.logs, exist_ok=True)
-        with open(os.path.join(args.logs, f"{name}.log"), "w") as f:
-          f.writelines(f"{t:7.2f} {line}" for t, line in zip(result["arrivals"],
-                                                              result["lines"]))
       print(name, json.dumps(rows[name]), flush=True)
       if args.json:
         with open(args.json, "a") as f:

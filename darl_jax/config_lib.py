@@ -27,7 +27,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.trainer = "pretrain"
   c.seed = 0
   c.batch_size = 128
-  c.eval_batch_size = 0          # 0: same as batch_size
+  # 0: batch_size, or under gradient accumulation (microbatch_size) the
+  # microbatch: the whole batch never runs at once there, and evaluating it
+  # in one program can need more memory than the device has (train/startup.py).
+  c.eval_batch_size = 0
   c.total_steps = 0              # > 0 overrides total_epochs
   c.total_epochs = 1.0
   c.log_every_steps = 50
@@ -379,7 +382,7 @@ def _int(lo):
 # does not have are skipped.
 _RULES = [
     ("batch_size", _int(1), "a positive integer", 128),
-    ("eval_batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("eval_batch_size", _int(0), "an integer >= 0 (0: batch_size, or the microbatch)", 0),
     ("total_steps", _int(0), "an integer >= 0 (0: use total_epochs)", 1000),
     ("total_epochs", lambda v: v >= 0, "a number >= 0", 1.0),
     ("log_every_steps", _int(1), "a positive integer", 50),
@@ -444,11 +447,11 @@ _RULES = [
     ("probe_eval.num_train_examples", _int(1), "a positive integer", 5000),
     ("probe_eval.num_eval_examples", _int(1), "a positive integer", 2000),
     ("probe_eval.l2", lambda v: v >= 0, "a number >= 0", 1e-3),
-    ("probe_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("probe_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size, or the microbatch)", 0),
     ("fewshot_eval.num_seeds", _int(1), "a positive integer", 3),
     ("fewshot_eval.num_support_examples", _int(1), "a positive integer", 10000),
     ("fewshot_eval.num_query_examples", _int(1), "a positive integer", 2000),
-    ("fewshot_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size)", 0),
+    ("fewshot_eval.batch_size", _int(0), "an integer >= 0 (0: batch_size, or the microbatch)", 0),
     ("randaugment.num_ops", _int(0), "an integer >= 0 (0: off)", 2),
     ("randaugment.magnitude", lambda v: v >= 0, "a number >= 0", 9.0),
     ("randaugment.magnitude_std", lambda v: v >= 0, "a number >= 0", 0.5),

@@ -517,3 +517,44 @@ def test_accumulated_step_is_the_one_shot_step_on_data_and_fsdp_meshes(tmp_path)
 
 if __name__ == "__main__":
   _worker(sys.argv[1])
+
+
+def test_evaluation_under_gradient_accumulation_runs_the_microbatch():
+  """eval_batch_size=0 with microbatches: the eval program is compiled for
+  the microbatch (the whole batch never runs at once) and the config says so;
+  a set eval_batch_size is kept."""
+  from darl_jax.train import startup  # pylint: disable=g-import-not-at-top
+  config = pretrain_config("diffusion", microbatch_size=8)          # batch 16
+  built = loop.setup(pretrain.PretrainTrainer(config), config)
+  programs = startup.compile_programs(built, config, eval_step=True, reuse=False)
+  assert config.eval_batch_size == 8
+  batch = startup.abstract_eval_batch(built, config)
+  assert batch["mask"].shape == (8,) and batch["image"].shape[0] == 8
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), built.abstract_state["params"])
+  rows = {k: jnp.zeros(v.shape, v.dtype) for k, v in batch.items()}
+  out = programs.eval_step(params, {}, rows)            # the compiled program, not a fallback
+  assert set(out) >= {"loss"}
+  kept = pretrain_config("diffusion", microbatch_size=8, eval_batch_size=16)
+  built = loop.setup(pretrain.PretrainTrainer(kept), kept)
+  startup.compile_programs(built, kept, eval_step=True, reuse=False)
+  assert kept.eval_batch_size == 16
+
+
+def test_an_eval_step_too_big_for_the_device_is_refused_naming_a_batch_that_fits():
+  from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  gib = int(aot.GIB)
+  train = aot.Footprint(arguments=10 * gib, outputs=10 * gib, aliased=10 * gib,
+                        temporaries=60 * gib, code=0)
+  evaluation = lambda temps: aot.Footprint(arguments=5 * gib, outputs=0, aliased=0,
+                                           temporaries=temps * gib, code=0)
+  aot.check_eval_fits(evaluation(80), train, 100 * gib, eval_batch_size=256, batch_shards=8)
+  with pytest.raises(aot.DoesNotFit, match=r"eval_batch_size=256 needs 200\.00 GiB") as e:
+    aot.check_eval_fits(evaluation(200), train, 100 * gib, eval_batch_size=256,
+                        batch_shards=8)
+  # 85 GiB of budget at 200/256 GiB per example: 108 examples, 104 in whole shards.
+  assert "--config.eval_batch_size=104 or smaller" in str(e.value)
+  with pytest.raises(aot.DoesNotFit, match="eval_every_steps=0"):
+    aot.check_eval_fits(evaluation(200), train, 12 * gib, eval_batch_size=256,
+                        batch_shards=8)
+  aot.check_eval_fits(None, train, 100 * gib, eval_batch_size=256, batch_shards=8)
+  aot.check_eval_fits(evaluation(200), train, None, eval_batch_size=256, batch_shards=8)

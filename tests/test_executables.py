@@ -214,3 +214,24 @@ def test_saved_executables_are_off_on_the_cpu_and_on_gpus_and_tpus(monkeypatch, 
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
   c.compilation_cache_dir = ""                  # no cache, nothing saved
   assert executables.cache_dir(c, "gpu") is None
+
+
+def test_each_evaluation_batch_has_a_saved_file_of_its_own(tmp_path, monkeypatch):
+  """A saved program's file is named before tracing, from the config key and
+  its arguments' layout: an evaluation batch the config key leaves out names
+  a file of its own (no recompiling over one file), and each loads again."""
+  sys.path.insert(0, str(ROOT / "tests"))
+  import tiny_config  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop, pretrain, startup  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+  phases = []
+  for size in (8, 16, 8):
+    config = tiny_config.get_config("objective=mse,steps=2")
+    config.predictions.num_images = 0
+    config.eval_batch_size = size
+    built = loop.setup(pretrain.PretrainTrainer(config), config)
+    programs = startup.compile_programs(built, config, eval_step=True)
+    phases.append(programs.info["programs"]["eval step"])
+  assert len(list((tmp_path / "executables").glob("*.bin"))) == 3    # train + 2 evals
+  assert "compile" in phases[0] and "compile" in phases[1] and "load" in phases[2]

@@ -198,6 +198,30 @@ def check_fits(fp: Footprint | None, capacity: int | None, **kw) -> None:
     raise DoesNotFit(fix_line(fp, capacity, **kw))
 
 
+def check_eval_fits(eval_fp: Footprint | None, train_fp: Footprint | None,
+                    capacity: int | None, *, eval_batch_size: int, batch_shards: int) -> None:
+  """Raises DoesNotFit where the eval step's temporaries, beside the train
+  step's arguments (the state and a batch, alive while it evaluates), pass
+  the share FIT_FRACTION of ``capacity``, naming an ``eval_batch_size``
+  that should fit (temporaries scale with it); no check where a figure is
+  unknown."""
+  if eval_fp is None or train_fp is None or capacity is None:
+    return
+  budget = FIT_FRACTION * capacity - train_fp.arguments
+  if eval_fp.temporaries <= budget:
+    return
+  per_example = eval_fp.temporaries / max(eval_batch_size, 1)
+  fits = (int(budget // per_example) // batch_shards) * batch_shards if budget > 0 else 0
+  need = (f"the eval step at eval_batch_size={eval_batch_size} needs "
+          f"{eval_fp.temporaries / GIB:.2f} GiB of temporaries per device beside the train "
+          f"state's {train_fp.arguments / GIB:.2f} GiB, and the device has "
+          f"{capacity / GIB:.2f} GiB (the run may use {FIT_FRACTION:.0%})")
+  if fits >= batch_shards:
+    raise DoesNotFit(f"{need}: set --config.eval_batch_size={fits} or smaller")
+  raise DoesNotFit(f"{need}, and no evaluation batch fits: set --config.eval_every_steps=0 "
+                   "or shard the state over more devices")
+
+
 # ----------------------------------------------------- automatic microbatch
 #
 # ``microbatch_size=-1`` chooses before compiling anything, from

@@ -82,31 +82,49 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
                                  remat=config.get("model", {}).get("remat", "none"))
   else:
     first = requested or batch_size
+  if eval_step and not config.eval_batch_size and first < batch_size:
+    # Under gradient accumulation the whole batch never runs at once, and
+    # one evaluation program over it can need more than the device has (H/14
+    # at 4096 on one H200: a 200 GiB allocation). The microbatch, whose
+    # forward and backward fit, evaluates forward only. Resolved in the
+    # config: evaluation and its compiled program read it from there.
+    config.eval_batch_size = first
+    logging.info("eval_batch_size=0 under gradient accumulation: evaluating %d examples "
+                 "per batch (the microbatch)", first)
 
   directory = executables.cache_dir(config, device.platform) if reuse else None
   kernels = ops.current() if "model" in config else ""
-  path_for = lambda name, extra_key=None: executables.path_for(
-      directory, config, built.mesh, name, kernels=kernels, trainer=trainer, extra=extra_key)
+  # A program's file is named before it is traced: its arguments' shapes,
+  # dtypes and layouts join the name, so that settings the config key leaves
+  # out (an evaluation batch, a picture's image count) name files of their own.
+  path_for = lambda name, args, extra_key=None: executables.path_for(
+      directory, config, built.mesh, name, kernels=kernels, trainer=trainer,
+      extra={"args": _layout(args), "extra": extra_key})
   state, args = built.abstract_state, (built.abstract_state, built.abstract_batch,
                                        built.abstract_hyper)
   train = aot.Program("train step", built.make_step(batch_size // first), args,
-                      path_for("train step", {"capacity": capacity, "microbatch": first}),
+                      path_for("train step", args, {"capacity": capacity, "microbatch": first}),
                       info={"microbatch_size": first})
   programs = [train]
+  evaluation = None
   if eval_step:
-    programs.append(aot.Program("eval step", built.eval_step,
-                                (state["params"], state["model_state"],
-                                 abstract_eval_batch(built, config)), path_for("eval step")))
+    eval_args = (state["params"], state["model_state"], abstract_eval_batch(built, config))
+    evaluation = aot.Program("eval step", built.eval_step, eval_args,
+                             path_for("eval step", eval_args))
+    programs.append(evaluation)
   if init:
-    programs.append(aot.Program("init step", built.init_step,
-                                (built.abstract_init_rng(),), path_for("init step")))
+    init_args = (built.abstract_init_rng(),)
+    programs.append(aot.Program("init step", built.init_step, init_args,
+                                path_for("init step", init_args)))
   for name, (jitted, abstract_args) in (extra or {}).items():
-    programs.append(aot.Program(name, jitted, tuple(abstract_args), path_for(name)))
+    programs.append(aot.Program(name, jitted, tuple(abstract_args),
+                                path_for(name, tuple(abstract_args))))
   # What evaluation and finalize see with an EMA: its average, compiled too.
   averages = view and "ema" in state and config.get("eval_with_ema", True)
   if averages:
+    ema_args = (state["ema"], state["params"])
     programs.append(aot.Program("ema average", ema_average_step(built.state_shardings),
-                                (state["ema"], state["params"]), path_for("ema average")))
+                                ema_args, path_for("ema average", ema_args)))
 
   def choose(program):
     if program is not train or "load" in train.times:
@@ -136,6 +154,10 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
   microbatch = train.info["microbatch_size"]
   fp = aot.footprint(train.compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
+  if evaluation is not None:
+    aot.check_eval_fits(aot.footprint(evaluation.compiled), fp, capacity,
+                        eval_batch_size=config.eval_batch_size or batch_size,
+                        batch_shards=built.batch_shards)
   estimate = estimate_for(microbatch)
   logging.info(
       "train step: %s per device%s%s; %d microbatch(es) of %d",
@@ -188,6 +210,15 @@ def abstract_eval_batch(built: Setup, config) -> dict:
   batch = aot.abstract_batch(built.ctx.eval_source.image_shape, size, built.batch_sharding)
   batch["mask"] = jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=built.batch_sharding)
   return batch
+
+
+def _layout(args) -> str:
+  """The arguments' tree, shapes, dtypes and shardings as text (part of a
+  saved program's name)."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  return str(tree) + "".join(
+      f"|{getattr(x, 'shape', ())} {getattr(x, 'dtype', type(x).__name__)} "
+      f"{getattr(x, 'sharding', None)}" for x in leaves)
 
 
 def _signature(tree) -> tuple:
