@@ -2,11 +2,17 @@
 
     python benchmarks/tpu_compile_table.py --out=/tmp/tpu.jsonl      # compile every row
     python benchmarks/tpu_compile_table.py --out=/tmp/tpu.jsonl --render   # the markdown
+    python benchmarks/tpu_compile_table.py --out=/tmp/scan.jsonl --scanned [--render]
 
 Each row is one ``python -m darl_jax.compile`` command (needs the ``tpu``
 extra), run in its own process, its report appended to ``--out`` as a JSON
 line; rows already in ``--out`` are skipped, so an interrupted job resumes.
 A compile of an unscanned ViT takes minutes on a 2-core host.
+
+``--scanned``: the pretraining rows again with ``model.scan_layers=True``
+(the blocks in one ``nn.scan``), rendered with the train step's compile
+time on this host: the scanned column of docs/TPU.md. XLA's cost model
+counts a scan's body once, so those rows carry no step time.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ ROWS = [  # (config, topology, overrides)
                                                                "--config.mesh.data=-1",
                                                                "--config.mesh.fsdp=4")),
 ]
+# The pretraining rows at the paper's batch in one pass, scanned.
+SCANNED_ROWS = [(config, topology, (*overrides, "--config.model.scan_layers=True"))
+                for config, topology, overrides in ROWS[:12]]
 EPOCHS = 800
 IMAGENET = 1_281_167
 
@@ -63,9 +72,9 @@ def done(out: str) -> set:
   return keys
 
 
-def compile_rows(out: str) -> None:
+def compile_rows(out: str, rows=ROWS) -> None:
   seen = done(out)
-  for config, topology, overrides in ROWS:
+  for config, topology, overrides in rows:
     label = " ".join([f"--config={config}", "--config.batch_size=4096", *overrides])
     if (label, topology) in seen:
       continue
@@ -103,15 +112,34 @@ def render(out: str) -> str:
   return "\n".join(lines)
 
 
+def render_scanned(out: str) -> str:
+  lines = ["| config | slice | per chip | fits? | compiled GiB / HBM | temporaries GiB | "
+           "train step compiled in |", "|---|---|---|---|---|---|---|"]
+  for line in open(out):
+    r = json.loads(line)
+    name = r["config"].split("--config=experiments/")[1].split(" ")[0].replace(".py", "")
+    per_chip = r["microbatch_size"] // (r["mesh"]["data"] * r["mesh"]["fsdp"])
+    compiled = f"{r['train_gib']:.1f}"
+    if not r["arguments_gib"]:
+      compiled += " (temporaries; the compiler refused)"
+    took = f"{r['compile_seconds']:.0f} s" if r.get("compile_seconds") else "-"
+    lines.append(f"| {name} | {r['topology']} | {per_chip} | "
+                 f"{'yes' if r['fits'] else '**no**'} | {compiled} / {r['hbm_gib']:.0f} | "
+                 f"{r['temporaries_gib']:.1f} | {took} |")
+  return "\n".join(lines)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--render", action="store_true")
+  parser.add_argument("--scanned", action="store_true",
+                      help="the pretraining rows with model.scan_layers=True")
   args = parser.parse_args()
   if args.render:
-    print(render(args.out))
+    print(render_scanned(args.out) if args.scanned else render(args.out))
   else:
-    compile_rows(args.out)
+    compile_rows(args.out, SCANNED_ROWS if args.scanned else ROWS)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ class Report:
   xla_seconds: float | None     # XLA's estimated step time
   fits: bool
   message: str = ""
+  compile_seconds: float | None = None   # the train step's trace + lower + compile here
 
   def as_dict(self) -> dict:
     """The report's figures as JSON types (GiB, seconds)."""
@@ -118,7 +119,7 @@ class Report:
             "eval_gib": gib(self.eval.total) if self.eval else None,
             "estimate": self.estimate, "model_flops": self.model_flops,
             "xla_seconds": self.xla_seconds, "mfu": self.mfu(), "fits": self.fits,
-            "message": self.message}
+            "message": self.message, "compile_seconds": self.compile_seconds}
 
   def mfu(self) -> float | None:
     peak = PEAK_BF16.get(self.device_kind)
@@ -199,11 +200,12 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   device = devices[0]
   hbm = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
   mesh = dict(built.mesh.shape)
-  fits, message = True, ""
+  fits, message, compile_seconds = True, "", None
   try:
     compiled, info = loop.compile_train_step(built, config, device=device, reuse=False)
     fp = info["footprint"]
     microbatch = info["microbatch_size"]
+    compile_seconds = sum(info.get(f"{k}_s", 0.0) for k in ("trace", "lower", "compile"))
   except aot.DoesNotFit as e:
     # The footprint of the step as configured, for the report (the TPU
     # compiler refuses such a step: then only its temporaries are known).
@@ -224,11 +226,19 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
     # XLA's cost analysis counts a loop's body once: the microbatch scan
     # runs it batch / microbatch times.
     seconds *= config.batch_size // microbatch
+  if config.get("model", {}).get("scan_layers", False):
+    # ... and a scan over the blocks once too, beside the parts outside it:
+    # no step time is read from such a program.
+    seconds = None
 
   eval_fp = None
   h, w, c = built.ctx.train_source.image_shape
-  eval_batch = dict(built.abstract_batch)
-  eval_batch["mask"] = jax.ShapeDtypeStruct((config.batch_size,), jax.numpy.bool_,
+  # The evaluation batch the run uses: under gradient accumulation the
+  # microbatch (train/startup.py), else the batch.
+  eval_size = config.eval_batch_size or min(microbatch, config.batch_size)
+  eval_batch = aot.abstract_batch(built.ctx.train_source.image_shape, eval_size,
+                                  built.batch_sharding)
+  eval_batch["mask"] = jax.ShapeDtypeStruct((eval_size,), jax.numpy.bool_,
                                             sharding=built.batch_sharding)
   try:
     state = built.abstract_state
@@ -252,7 +262,7 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
                 hbm=hbm, train=fp, eval=eval_fp,
                 estimate=aot.describe_estimate(config, mesh, microbatch),
                 model_flops=model_flops, xla_seconds=seconds, fits=fits,
-                message=message)
+                message=message, compile_seconds=compile_seconds)
 
 
 def _config_arg(argv) -> str:

@@ -49,6 +49,16 @@ def test_tiny_config_compiles_for_a_tpu_topology_and_reports_per_chip(tmp_path):
   accumulated = compile_lib.compile_for_topology(config, devices, TOPOLOGY)
   assert accumulated.microbatch_size == 4 and accumulated.fits
   assert accumulated.train.arguments == t.arguments
+  # Its evaluation is the run's: the microbatch, not the batch, per program.
+  assert accumulated.eval.arguments < report.eval.arguments     # a smaller batch in
+  assert report.compile_seconds > 0 and report.as_dict()["compile_seconds"] > 0
+  # Scanned blocks: XLA's cost model counts the scan's body once, so no step
+  # time is read from it; memory and compile time are.
+  config.microbatch_size = 0
+  config.model.scan_layers = True
+  scanned = compile_lib.compile_for_topology(config, devices, TOPOLOGY)
+  assert scanned.fits and scanned.xla_seconds is None and scanned.mfu() is None
+  assert scanned.compile_seconds > 0 and scanned.train.arguments == t.arguments
 
 
 def test_compile_cli_says_when_a_step_does_not_fit_and_names_the_fix(tmp_path):
