@@ -14,6 +14,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from darl_jax import config_lib
 from darl_jax.train import aot
@@ -23,6 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _program(directory, scale=1.0):
+  # Each test compiles its own constant: the suite's persistent compilation
+  # cache, shared by its workers, would otherwise hand a test the executable
+  # another test compiled, and an XLA:CPU executable taken from that cache
+  # fails at its first call once saved and reloaded (executables.py).
   f = jax.jit(lambda s, x: (s + scale * x.sum(), {"loss": x.mean()}), donate_argnums=(0,))
   args = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32))
   return aot.Program("small step", f, args, directory / "k1.bin", info={"microbatch_size": 4})
@@ -59,12 +64,12 @@ def test_a_saved_program_loads_without_compiling_and_runs_the_same(tmp_path, mon
 def test_a_broken_file_is_removed_and_the_program_compiled(tmp_path, monkeypatch, caplog):
   (tmp_path / "k1.bin").write_bytes(b"not an executable")
   counter = CompileCounter(monkeypatch)
-  program = _program(tmp_path)
+  program = _program(tmp_path, scale=5.0)
   aot.compile_programs([program])
   assert counter.calls == 1 and program.compiled is not None
   assert "did not load" in caplog.text
   # The broken file was replaced by a good one, which now loads.
-  aot.compile_programs([_program(tmp_path)])
+  aot.compile_programs([_program(tmp_path, scale=5.0)])
   assert counter.calls == 1
 
 
@@ -74,7 +79,7 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
   program changed by what the name does not cover (here a constant of the
   function) compiles, runs its own arithmetic, and replaces the file."""
   counter = CompileCounter(monkeypatch)
-  aot.compile_programs([_program(tmp_path)])
+  aot.compile_programs([_program(tmp_path, scale=6.0)])
   changed = _program(tmp_path, scale=2.0)
   aot.compile_programs([changed])
   assert counter.calls == 2 and "load" not in changed.times and "compile" in changed.times
@@ -90,7 +95,7 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
 def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
   """The load is handed to the pool before the trace begins (a warm start
   waits for the longer of the two, not their sum)."""
-  aot.compile_programs([_program(tmp_path)])
+  aot.compile_programs([_program(tmp_path, scale=7.0)])
   events, load_started = [], threading.Event()
   real_load, real_trace = aot.Program.load, aot.Program.trace
 
@@ -106,7 +111,7 @@ def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
 
   monkeypatch.setattr(aot.Program, "load", load)
   monkeypatch.setattr(aot.Program, "trace", trace)
-  program = _program(tmp_path)
+  program = _program(tmp_path, scale=7.0)
   aot.compile_programs([program])
   assert "load" in program.times
   assert events.index("load starts") < events.index("trace ends")
@@ -235,3 +240,36 @@ def test_each_evaluation_batch_has_a_saved_file_of_its_own(tmp_path, monkeypatch
     phases.append(programs.info["programs"]["eval step"])
   assert len(list((tmp_path / "executables").glob("*.bin"))) == 3    # train + 2 evals
   assert "compile" in phases[0] and "compile" in phases[1] and "load" in phases[2]
+
+
+def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_path):
+  """An executable can deserialize and still not run (XLA:CPU's from JAX's
+  own cache; a driver that no longer runs saved kernels): its first call
+  removes the file and names the fix, so that the rerun compiles; an
+  out-of-memory error is the program's own and passes unchanged."""
+  # A constant of its own: compiled afresh, not taken from JAX's caches
+  # (whose XLA:CPU executables fail after a reload, as below).
+  aot.compile_programs([_program(tmp_path, scale=3.0)])
+  loaded = _program(tmp_path, scale=3.0)
+  aot.compile_programs([loaded])
+  assert "load" in loaded.times and isinstance(loaded.compiled, executables.FirstCall)
+  assert aot.footprint(loaded.compiled) is not None or jax.default_backend() != "gpu"
+  x = jnp.ones((4, 3))
+  assert float(loaded.compiled(jnp.zeros(()), x)[0]) == 36.0      # runs: kept
+
+  def fails(message):
+    def call(*args):
+      raise RuntimeError(message)
+    return call
+
+  again = _program(tmp_path, scale=3.0)
+  aot.compile_programs([again])
+  again.compiled._compiled = fails("RESOURCE_EXHAUSTED: Out of memory")
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    again.compiled(jnp.zeros(()), x)
+  assert (tmp_path / "k1.bin").exists()
+  again.compiled._compiled = fails("NOT_FOUND: Function wrapped_broadcast not found")
+  with pytest.raises(executables.SavedProgramFailed,
+                     match=r"k1\.bin loaded but failed at its first call.*run the command again"):
+    again.compiled(jnp.zeros(()), x)
+  assert not (tmp_path / "k1.bin").exists()

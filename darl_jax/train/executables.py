@@ -164,6 +164,45 @@ def cache_dir(config, platform: str = "cpu") -> Path | None:
   return Path(os.path.expanduser(path)) / "executables"
 
 
+class SavedProgramFailed(RuntimeError):
+  """A saved executable loaded but failed at its first call (removed)."""
+
+
+class FirstCall:
+  """A loaded executable whose first call, if it fails, removes the file and
+  says so: a program that deserializes but does not run (an XLA:CPU one JAX
+  took from its own cache; a driver that no longer runs the saved kernels)
+  would otherwise fail every rerun the same way. Not retried in place: the
+  arguments a train step donates may be gone. Everything else (memory
+  analysis, ...) is the executable's."""
+
+  def __init__(self, compiled, path: Path):
+    self._compiled, self._path, self._ran = compiled, path, False
+
+  def __call__(self, *args, **kwargs):
+    if self._ran:
+      return self._compiled(*args, **kwargs)
+    try:
+      out = self._compiled(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      if "RESOURCE_EXHAUSTED" in str(e):      # out of memory: the program is fine
+        raise
+      try:
+        self._path.unlink()
+      except OSError:
+        pass
+      raise SavedProgramFailed(
+          f"the saved program {self._path} loaded but failed at its first call "
+          f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the file is removed: "
+          "run the command again (it compiles the program; a run resumes from its "
+          "checkpoint), or set DARL_COMPILED_STEP_CACHE=0 to compile every time") from e
+    self._ran = True
+    return out
+
+  def __getattr__(self, name):
+    return getattr(self._compiled, name)
+
+
 def load(path: Path) -> tuple[object, dict] | None:
   """``(compiled step, info saved with it)`` from ``path``, or None (with
   one log line, and the file removed) where it does not load."""
@@ -171,7 +210,8 @@ def load(path: Path) -> tuple[object, dict] | None:
   try:
     with open(path, "rb") as f:
       (payload, in_tree, out_tree), info = pickle.load(f)
-    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), info
+    return FirstCall(serialize_executable.deserialize_and_load(payload, in_tree, out_tree),
+                     path), info
   except Exception as e:  # pylint: disable=broad-except  # any failure: compile instead
     logging.warning("the saved program %s did not load (%s: %s); compiling it instead",
                     path, type(e).__name__, " ".join(str(e).split())[:200])
