@@ -361,21 +361,29 @@ def start_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices:
 def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
   """Waits for runs of ``start_cli`` (started together: independent runs share
   the 2 cores, most of a run is one core's imports and compiles); on a
-  failure or the timeout kills the rest and fails with the logs."""
-  procs = [p for _, ps in runs for p in ps]
-  deadline = time.time() + timeout
-  while any(p.poll() is None for p in procs) and time.time() < deadline:
-    if any(p.poll() not in (None, 0) for p in procs):
+  failure or the timeout kills the rest and fails naming each process's
+  exit status (-9: killed here) and the time, with the logs, the failed
+  process's first."""
+  procs = [(out, p, proc) for out, ps in runs for p, proc in enumerate(ps)]
+  started = time.time()
+  while (any(proc.poll() is None for _, _, proc in procs)
+         and time.time() < started + timeout):
+    if any(proc.poll() not in (None, 0) for _, _, proc in procs):
       break
     time.sleep(0.2)
-  for p in procs:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-  if any(p.returncode for p in procs):
-    logs = "\n".join(f"--- {f.parent.name}/{f.name}\n{f.read_text()[-4000:]}"
-                     for out, _ in runs for f in sorted(out.glob("log_*")))
-    pytest.fail(f"a run failed or timed out\n{logs}")
+  ended = time.time() - started
+  first = [(out, p) for out, p, proc in procs if proc.poll() not in (None, 0)]
+  for _, _, proc in procs:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  if any(proc.returncode for _, _, proc in procs):
+    status = ", ".join(f"{out.name}/{p}: {proc.returncode}" for out, p, proc in procs)
+    order = first + [(out, p) for out, p, _ in procs if (out, p) not in first]
+    logs = "\n".join(f"--- {out.name}/log_{p}.txt\n{(out / f'log_{p}.txt').read_text()[-4000:]}"
+                     for out, p in order)
+    pytest.fail(f"a run failed or timed out after {ended:.0f} s (exit status: {status}; "
+                f"first failed: {first or 'none, the timeout'})\n{logs}")
   return [out for out, _ in runs]
 
 

@@ -84,8 +84,8 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
     first = requested or batch_size
   if eval_step and not config.eval_batch_size and first < batch_size:
     # Under gradient accumulation the whole batch never runs at once, and
-    # one evaluation program over it can need more than the device has (H/14
-    # at 4096 on one H200: a 200 GiB allocation). The microbatch, whose
+    # one evaluation program over it can need more than the device has (the
+    # H/14 row of benchmarks/RESULTS.md). The microbatch, whose
     # forward and backward fit, evaluates forward only. Resolved in the
     # config: evaluation and its compiled program read it from there.
     config.eval_batch_size = first
