@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -306,6 +307,9 @@ RECORDER = textwrap.dedent("""\
 
 
     if __name__ == "__main__":      # Grain's spawned workers import this file
+      import faulthandler, signal
+      # wait() asks a run it is about to kill where its threads are.
+      faulthandler.register(signal.SIGQUIT, all_threads=True)
       record()
       from darl_jax import main
       sys.argv = ["darl_jax.main", *sys.argv[1:]]
@@ -336,11 +340,19 @@ def start_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices:
   devices each; returns (the folder the recorder writes to, the processes)."""
   out = workdir.parent / f"{workdir.name}-{processes}x{devices}-{stop}"
   out.mkdir()
+  # One script for the test's runs, written once: the second run of a pair
+  # starts while the first run's interpreters may still be reading it (a
+  # rewrite in place would truncate it under them).
   script = workdir.parent / "recorded_main.py"
-  script.write_text(RECORDER)
+  if not script.exists():
+    tmp = script.with_suffix(".tmp")
+    tmp.write_text(RECORDER)
+    os.replace(tmp, script)
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("DARL_", "SLURM_"))}
-  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", ELASTIC_OUT=str(out),
+  # PYTHONFAULTHANDLER: a process that dies of a signal says where, in its log.
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+             ELASTIC_OUT=str(out),
              ELASTIC_STOP=str(stop), XLA_FLAGS=cpu_devices_flags(devices),
              PYTHONPATH=str(ROOT))
   procs = []
@@ -361,9 +373,9 @@ def start_cli(workdir: pathlib.Path, data: dict, *, processes: int = 1, devices:
 def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
   """Waits for runs of ``start_cli`` (started together: independent runs share
   the 2 cores, most of a run is one core's imports and compiles); on a
-  failure or the timeout kills the rest and fails naming each process's
-  exit status (-9: killed here) and the time, with the logs, the failed
-  process's first."""
+  failure or the timeout asks the rest for their threads' stacks (into
+  their logs), kills them and fails naming each process's exit status (-9:
+  killed here) and the time, with the logs, the failed process's first."""
   procs = [(out, p, proc) for out, ps in runs for p, proc in enumerate(ps)]
   started = time.time()
   while (any(proc.poll() is None for _, _, proc in procs)
@@ -373,17 +385,20 @@ def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
     time.sleep(0.2)
   ended = time.time() - started
   first = [(out, p) for out, p, proc in procs if proc.poll() not in (None, 0)]
-  for _, _, proc in procs:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
+  alive = [proc for _, _, proc in procs if proc.poll() is None]
+  for proc in alive:          # their threads' stacks into their logs first
+    proc.send_signal(signal.SIGQUIT)
+  time.sleep(2 if alive else 0)
+  for proc in alive:
+    proc.kill()
+    proc.wait()
   if any(proc.returncode for _, _, proc in procs):
     status = ", ".join(f"{out.name}/{p}: {proc.returncode}" for out, p, proc in procs)
     order = first + [(out, p) for out, p, _ in procs if (out, p) not in first]
-    logs = "\n".join(f"--- {out.name}/log_{p}.txt\n{(out / f'log_{p}.txt').read_text()[-4000:]}"
+    logs = "\n".join(f"--- {out.name}/log_{p}.txt\n{(out / f'log_{p}.txt').read_text()[-6000:]}"
                      for out, p in order)
     pytest.fail(f"a run failed or timed out after {ended:.0f} s (exit status: {status}; "
-                f"first failed: {first or 'none, the timeout'})\n{logs}")
+                f"first failed: {', '.join(f'{o.name}/{p}' for o, p in first) or 'none, the timeout'})\n{logs}")
   return [out for out, _ in runs]
 
 
