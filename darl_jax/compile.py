@@ -207,18 +207,26 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
     microbatch = info["microbatch_size"]
     compile_seconds = sum(info.get(f"{k}_s", 0.0) for k in ("trace", "lower", "compile"))
   except aot.DoesNotFit as e:
-    # The footprint of the step as configured, for the report (the TPU
-    # compiler refuses such a step: then only its temporaries are known).
+    # The footprint of the last step compiled (at microbatch_size=-1 the
+    # size the choice stopped at, which the message names a fix for), for
+    # the report; the TPU compiler refuses such a step, and then only its
+    # temporaries are known. No cost analysis: a step that does not fit has
+    # no step time to read.
     fits, message = False, str(e)
-    microbatch = config.get("microbatch_size", 0) or config.batch_size
-    if microbatch < 0:
-      microbatch = accumulate.candidates(config.batch_size, built.batch_shards)[-1]
-    try:
-      compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
-                                     built.abstract_state, built.abstract_batch, built.abstract_hyper)
-      fp = aot.footprint(compiled)
-    except aot.CompilerOutOfMemory as oom:
-      compiled, fp = None, oom.footprint
+    compiled, fp, microbatch = None, e.footprint, e.microbatch or config.batch_size
+    if fp is None:
+      # Refused before any compile (microbatch_size=-1, by the estimate): the
+      # smallest microbatch is compiled for the report's figures.
+      microbatch = config.get("microbatch_size", 0) or config.batch_size
+      if microbatch < 0:
+        microbatch = accumulate.candidates(config.batch_size, built.batch_shards)[-1]
+      try:
+        compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
+                                       built.abstract_state, built.abstract_batch,
+                                       built.abstract_hyper)
+        fp = aot.footprint(compiled)
+      except aot.CompilerOutOfMemory as oom:
+        compiled, fp = None, oom.footprint
   cost = compiled.cost_analysis() if compiled is not None else None
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   seconds = xla_step_seconds(cost, device.device_kind)

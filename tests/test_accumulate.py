@@ -326,13 +326,19 @@ def test_the_choice_steps_down_once_by_the_compiled_figure():
     return FakeCompiled(16)
 
   compiled = []
-  with pytest.raises(aot.DoesNotFit, match="--config.microbatch_size=|remat=full"):
+  with pytest.raises(aot.DoesNotFit, match="--config.microbatch_size=|remat=full") as e:
     aot.choose_microbatch(stubborn, SIZES, capacity_small, 16)
   assert len(compiled) == 2
+  # The refusal carries the last compile's size and footprint (a report
+  # needs no compile of its own).
+  assert e.value.microbatch == compiled[-1]
+  assert e.value.footprint.total == aot.footprint(FakeCompiled(16)).total
   # Nothing smaller can fit by the compiled figure: no second compile.
   error, compiled = _choose(estimate, 10 * MIB, 50 * MIB, 16)
   assert isinstance(error, aot.DoesNotFit) and compiled == [16]
   assert "no microbatch size fits" in str(error)
+  assert error.microbatch == 16
+  assert error.footprint.total == aot.footprint(FakeCompiled(16, per_example=10 * MIB)).total
 
 
 def test_the_choice_reads_the_tpu_compilers_refusal():

@@ -53,7 +53,14 @@ HBM_GIB = {
 
 
 class DoesNotFit(config_lib.ConfigError):
-  """The compiled step needs more memory than the device has."""
+  """The compiled step needs more memory than the device has. ``footprint``
+  and ``microbatch``: the last compiled program's (None where none was
+  compiled), so that a report needs no compile of its own."""
+
+  def __init__(self, message: str, *, footprint: "Footprint | None" = None,
+               microbatch: int | None = None):
+    super().__init__(message)
+    self.footprint, self.microbatch = footprint, microbatch
 
 
 @dataclasses.dataclass
@@ -195,7 +202,7 @@ def check_fits(fp: Footprint | None, capacity: int | None, **kw) -> None:
   if fp is None or capacity is None:
     return
   if fp.total > FIT_FRACTION * capacity:
-    raise DoesNotFit(fix_line(fp, capacity, **kw))
+    raise DoesNotFit(fix_line(fp, capacity, **kw), footprint=fp, microbatch=kw.get("microbatch"))
 
 
 def check_eval_fits(eval_fp: Footprint | None, train_fp: Footprint | None,
@@ -315,12 +322,12 @@ def choose_microbatch(compile_for: Callable[[int], object], sizes: list[int],
                                   sizes=sizes)
   size = suggest_microbatch(fp, first, capacity, sizes)
   if size is None:
-    raise DoesNotFit(fix(fp, first))
+    raise DoesNotFit(fix(fp, first), footprint=fp, microbatch=first)
   logging.info("microbatch_size=-1: %d examples compiled to %s; stepping down to %d",
                first, fp.describe(), size)
   compiled, fp = attempt(size)
   if not fits(compiled, fp):
-    raise DoesNotFit(fix(fp, size))
+    raise DoesNotFit(fix(fp, size), footprint=fp, microbatch=size)
   return size, compiled
 
 

@@ -146,7 +146,8 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
     elif train.compiled is None:        # the TPU compiler checks memory itself
       e = train.refused
       raise aot.DoesNotFit(aot.fix_line(e.footprint, e.capacity, batch_size=batch_size,
-                                        microbatch=first, sizes=sizes))
+                                        microbatch=first, sizes=sizes),
+                           footprint=e.footprint, microbatch=first)
     aot.check_fits(aot.footprint(train.compiled), capacity, batch_size=batch_size,
                    microbatch=train.info["microbatch_size"], sizes=sizes)
 
