@@ -309,7 +309,7 @@ RECORDER = textwrap.dedent("""\
     if __name__ == "__main__":      # Grain's spawned workers import this file
       import faulthandler, signal
       # wait() asks a run it is about to kill where its threads are.
-      faulthandler.register(signal.SIGQUIT, all_threads=True)
+      faulthandler.register(signal.SIGUSR2, all_threads=True)
       record()
       from darl_jax import main
       sys.argv = ["darl_jax.main", *sys.argv[1:]]
@@ -387,7 +387,7 @@ def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
   first = [(out, p) for out, p, proc in procs if proc.poll() not in (None, 0)]
   alive = [proc for _, _, proc in procs if proc.poll() is None]
   for proc in alive:          # their threads' stacks into their logs first
-    proc.send_signal(signal.SIGQUIT)
+    proc.send_signal(signal.SIGUSR2)
   time.sleep(2 if alive else 0)
   for proc in alive:
     proc.kill()
