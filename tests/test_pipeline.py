@@ -4,6 +4,9 @@ uint8 end to end, bad image files, reduced JPEG decoding."""
 import io
 import logging as py_logging
 import os
+import threading
+import time
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +108,48 @@ def test_uint8_on_the_wire_and_floats_on_the_device(source):
   assert x.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(x), np.asarray(batch["image"]) / 127.5 - 1, atol=1e-6)
   assert float(feed.model_input({"image": jnp.array([0, 255], jnp.uint8)})["image"][0]) == -1.0
+
+
+class _SlowReader:
+  """A host iterator whose ``next`` takes ``seconds`` and that records when
+  each read and its ``close`` happened (a reader closed under a read in
+  flight is what close() must avoid)."""
+
+  def __init__(self, seconds):
+    self.seconds, self.events, self.reading = seconds, [], threading.Event()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.reading.set()
+    time.sleep(self.seconds)
+    self.events.append("read")
+    return {"image": np.zeros((2, 2, 2, 1), np.uint8)}
+
+  def close(self):
+    self.events.append("closed")
+
+
+def test_the_feed_closes_its_reader_after_the_read_in_flight(caplog):
+  import jax
+  sharding = jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",)),
+      jax.sharding.PartitionSpec("data"))
+  # Longer than the 5 s the feed once waited before closing the reader anyway.
+  reader = _SlowReader(6.0)
+  device_feed = feed.DeviceFeed(reader, sharding, size=1)
+  assert reader.reading.wait(10)        # the producer is inside a read
+  device_feed.close()
+  assert reader.events == ["read", "closed"]
+  # A read that outlasts STOP_TIMEOUT_S: closed under it, with a warning.
+  reader = _SlowReader(2.0)
+  device_feed = feed.DeviceFeed(reader, sharding, size=1)
+  assert reader.reading.wait(10)
+  with mock.patch.object(feed, "STOP_TIMEOUT_S", 0.2), caplog.at_level(py_logging.WARNING):
+    device_feed.close()
+  assert reader.events == ["closed"]
+  assert "still reading a batch" in caplog.text
 
 
 def _jpeg(path, size=(96, 80), seed=0):

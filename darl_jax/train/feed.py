@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +60,11 @@ def state_of(it) -> Any:
   # generator: it then has no state, and a resume goes by the step alone.
   get_state = getattr(it, "get_state", None)
   return get_state() if get_state is not None else None
+
+
+# How long ``DeviceFeed.close`` waits for a batch the producer is reading:
+# seconds for any source here, far more than a batch takes on a loaded host.
+STOP_TIMEOUT_S = 120.0
 
 
 class DeviceFeed:
@@ -116,10 +122,19 @@ class DeviceFeed:
     return item
 
   def close(self) -> None:
-    """Stops the producer thread (it may be blocked on a full queue), then
-    the host iterator's worker processes, if it has any."""
+    """Stops the producer thread (it may be blocked on a full queue, or
+    inside the host iterator's ``next``), then the host iterator's worker
+    processes and files, if it has any: not under a ``next`` still running,
+    which could be reading them (a Parquet reader whose file is closed
+    under it can crash the process), and not left running into the
+    interpreter's exit with JAX calls (``to_global``) in flight. It waits up
+    to STOP_TIMEOUT_S for the producer, then closes anyway, with a
+    warning."""
     self._stop.set()
-    self._thread.join(timeout=5)
+    self._thread.join(timeout=STOP_TIMEOUT_S)
+    if self._thread.is_alive():
+      logging.warning("the data feed's thread is still reading a batch %.0f s after the "
+                      "stop; closing the data pipeline under it", STOP_TIMEOUT_S)
     close = getattr(self._host_iter, "close", None)
     if close is not None:
       close()
