@@ -397,8 +397,9 @@ def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
     order = first + [(out, p) for out, p, _ in procs if (out, p) not in first]
     logs = "\n".join(f"--- {out.name}/log_{p}.txt\n{(out / f'log_{p}.txt').read_text()[-6000:]}"
                      for out, p in order)
+    failed = ", ".join(f"{o.name}/{p}" for o, p in first) or "none, the timeout"
     pytest.fail(f"a run failed or timed out after {ended:.0f} s (exit status: {status}; "
-                f"first failed: {', '.join(f'{o.name}/{p}' for o, p in first) or 'none, the timeout'})\n{logs}")
+                f"first failed: {failed})\n{logs}")
   return [out for out, _ in runs]
 
 
