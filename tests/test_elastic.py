@@ -374,8 +374,9 @@ def wait(*runs, timeout: float = 400) -> list[pathlib.Path]:
   """Waits for runs of ``start_cli`` (started together: independent runs share
   the 2 cores, most of a run is one core's imports and compiles); on a
   failure or the timeout asks the rest for their threads' stacks (into
-  their logs), kills them and fails naming each process's exit status (-9:
-  killed here) and the time, with the logs, the failed process's first."""
+  their logs), kills them and fails naming each process's exit status (-9,
+  or -12 before its stack handler was set: killed here) and the time, with
+  the logs, the failed process's first."""
   procs = [(out, p, proc) for out, ps in runs for p, proc in enumerate(ps)]
   started = time.time()
   while (any(proc.poll() is None for _, _, proc in procs)
