@@ -142,8 +142,10 @@ def test_the_feed_closes_its_reader_after_the_read_in_flight(caplog):
   assert reader.reading.wait(10)        # the producer is inside a read
   device_feed.close()
   assert reader.events == ["read", "closed"]
-  # A read that outlasts STOP_TIMEOUT_S: closed under it, with a warning.
-  reader = _SlowReader(2.0)
+  # A read that outlasts STOP_TIMEOUT_S: closed under it, with a warning
+  # (the read runs on after the test, in the daemon thread: its length is
+  # the margin against a slow close, not time the test waits).
+  reader = _SlowReader(20.0)
   device_feed = feed.DeviceFeed(reader, sharding, size=1)
   assert reader.reading.wait(10)
   with mock.patch.object(feed, "STOP_TIMEOUT_S", 0.2), caplog.at_level(py_logging.WARNING):
