@@ -194,14 +194,74 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   log = _cli(tmp_path / "b", cache, "--config.keep_checkpoints=1")
   for name in PROGRAMS:
     line = next(l for l in log.splitlines() if f"start-up: {name}: " in l)
-    assert ", load " in line and "compile" not in line, line
+    # Loaded, and traced only beside the first steps (aot.Verification).
+    assert line.split(f"start-up: {name}: ")[1].startswith("load ") and "compile" not in line, line
+    assert "checked against its trace beside the first steps" in line, line
   assert "4 programs ready" in log and "(0 compiled, 1 at a time; 4 loaded)" in log
+  assert "start-up: saved programs checked: 4 against this run's trace" in log
   assert (tmp_path / "b" / "predictions.png").exists()
   # The loaded programs compute what the compiled ones did.
   scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))
                       for r in _records(w)]
   assert scores(tmp_path / "b") == scores(tmp_path / "a")
   assert sorted((cache / "executables").glob("*.bin")) == saved
+
+
+def test_a_stale_saved_program_stops_the_run_before_its_first_checkpoint(tmp_path):
+  """The loop runs a loaded program at once and checks it against this
+  run's trace beside the first steps: a saved train step whose jaxpr is not
+  this run's (its digest altered in the file, as code outside the key's
+  reach would) stops the run with one error line before anything is
+  checkpointed, the file is removed, and the rerun compiles it and trains."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  cache = tmp_path / "cache"
+  log = _cli(tmp_path / "a", cache)
+  train_file = next(pathlib.Path(line.split(" as ")[1].split()[0])
+                    for line in log.splitlines() if "saved the compiled train step as" in line)
+  with open(train_file, "rb") as f:
+    payload, info = pickle.load(f)
+  info[executables.JAXPR_KEY] = "0" * 64
+  with open(train_file, "wb") as f:
+    pickle.dump((payload, info), f)
+  with pytest.raises(AssertionError) as failed:
+    _cli(tmp_path / "b", cache)
+  err = str(failed.value)
+  assert "error: " in err and "the train step" in err and "another program" in err, err
+  assert not list((tmp_path / "b" / "checkpoints").glob("*"))      # nothing kept
+  assert not train_file.exists()
+  log = _cli(tmp_path / "c", cache)
+  assert "saved the compiled train step as" in log
+  assert (tmp_path / "c" / "checkpoints" / "2").exists()
+
+
+def test_a_check_later_loads_at_once_and_traces_in_another_thread(tmp_path, monkeypatch):
+  """check_later: the calling thread only loads; the trace runs in the
+  Verification's thread, which passes a saved program of this run and
+  raises StaleSavedProgram (the file removed) for another program's."""
+  aot.compile_programs([_program(tmp_path, scale=8.0)])
+  threads = []
+  real_trace = aot.Program.trace
+
+  def trace(self):
+    threads.append(threading.current_thread().name)
+    real_trace(self)
+
+  monkeypatch.setattr(aot.Program, "trace", trace)
+  same = _program(tmp_path, scale=8.0)
+  check = aot.compile_programs([same], check_later=True)
+  assert "load" in same.times and check is not None
+  check.wait()
+  assert threads == ["check-saved-programs"]
+  assert float(same.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 96.0
+  other = _program(tmp_path, scale=9.0)             # the file holds scale 8's program
+  check = aot.compile_programs([other], check_later=True)
+  assert "load" in other.times
+  with pytest.raises(aot.StaleSavedProgram, match="another program"):
+    check.wait()
+  assert not (tmp_path / "k1.bin").exists()
+  check.wait()                                       # said once
+  # Nothing loaded, nothing to check.
+  assert aot.compile_programs([_program(tmp_path, scale=9.0)], check_later=True) is None
 
 
 def test_saved_executables_are_off_on_the_cpu_and_on_gpus_and_tpus(monkeypatch, tmp_path):

@@ -14,6 +14,8 @@ Every program a run uses (train and eval steps, the state's
 initialisation, a trainer's closing picture) is a :class:`Program`,
 compiled at start-up side by side (:func:`compile_programs`) or loaded
 from the executable a run of the same program saved (train/executables.py).
+The training loop uses a loaded program at once and checks it against this
+run's trace beside the first steps (:class:`Verification`).
 
 The figure is XLA's buffer assignment of the program: arguments (the train
 state and the batch) + outputs - the outputs that alias donated arguments +
@@ -28,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import threading
 import time
 from typing import Callable
 
@@ -476,15 +479,93 @@ class Program:
     the digest of the jaxpr it was traced as (what a rerun's trace must
     match)."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    if self.path is None or "compile" not in self.times or jax.process_index() != 0:
+      return
     info = {**self.info, executables.JAXPR_KEY: executables.jaxpr_digest(self.traced)}
-    if (self.path is not None and "compile" in self.times and jax.process_index() == 0
-        and executables.save(self.path, self.compiled, info)):
+    if executables.save(self.path, self.compiled, info):
       logging.info("saved the compiled %s as %s for the next run", self.name, self.path)
 
   def describe(self) -> str:
-    """``trace 0.4 s, lower 1.2 s, compile 3.1 s`` or ``trace 0.4 s, load 0.2 s``."""
+    """``trace 0.4 s, lower 1.2 s, compile 3.1 s``, ``trace 0.4 s, load 0.2 s``
+    or, for a load checked later (:class:`Verification`), ``load 0.2 s``."""
     order = ("trace", "lower", "compile", "load")
     return ", ".join(f"{k} {self.times[k]:.1f} s" for k in order if k in self.times)
+
+
+class StaleSavedProgram(RuntimeError):
+  """A saved program the run used was compiled from another program than
+  this run's trace (its file is removed)."""
+
+
+class Verification:
+  """Loaded programs checked against this run's trace in a background thread.
+
+  The name of a saved program's file covers what it is built from (the
+  config, darl_jax's source, the libraries' versions, the devices: see
+  train/executables.py); the jaxpr saved inside covers the rest (code
+  outside darl_jax, a library changed under the same version). Tracing a
+  program to compare the two takes seconds, longer than its load (the
+  warm start-up rows of benchmarks/RESULTS.md), so the training loop
+  runs a loaded program at once and traces it here, beside its first
+  steps, and :meth:`wait` (called before anything is saved, and before
+  the closing programs run) raises StaleSavedProgram, with the files
+  removed, where a trace differs. A run whose programs were stale then
+  stops before its first checkpoint: no state computed by them is kept,
+  and its rerun compiles them.
+  """
+
+  def __init__(self, programs: list[Program]):
+    self.programs = list(programs)
+    self.stale: list[Program] = []
+    self.error: BaseException | None = None
+    self.seconds = 0.0
+    self._thread = threading.Thread(target=self._check, name="check-saved-programs",
+                                    daemon=True)
+    self._thread.start()
+
+  def _check(self) -> None:
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    t0 = time.perf_counter()
+    try:
+      for program in self.programs:
+        program.trace()
+        if program.saved_jaxpr != executables.jaxpr_digest(program.traced):
+          self.stale.append(program)
+    except BaseException as e:  # pylint: disable=broad-except  # raised by wait()
+      self.error = e
+    self.seconds = time.perf_counter() - t0
+
+  def done(self) -> bool:
+    return not self._thread.is_alive()
+
+  def wait(self, timeout: float | None = None) -> None:
+    """Waits for the check (at most ``timeout`` seconds; then returns with
+    the check unfinished: :meth:`done` tells); raises StaleSavedProgram
+    where a loaded program is not this run's, or what the trace raised."""
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      return
+    if self.error is not None:
+      error, self.error = self.error, None
+      raise error
+    if self.stale:
+      for program in self.stale:
+        try:
+          program.path.unlink()
+        except OSError:
+          pass
+      names = ", ".join(f"the {p.name} ({p.path})" for p in self.stale)
+      self.stale, self.programs = [], []
+      raise StaleSavedProgram(
+          f"{names} loaded from a saved file was compiled from another program than this "
+          "run's (code outside darl_jax, or a library changed under the same version); "
+          "the file is removed and nothing this run computed was checkpointed: run the "
+          "command again (it compiles the program; a run resumes from its checkpoint), or "
+          "set DARL_COMPILED_STEP_CACHE=0 to compile every time")
+    if self.programs:
+      logging.info("start-up: saved programs checked: %d against this run's trace in %.1f s, "
+                   "beside the first steps", len(self.programs), self.seconds)
+      self.programs = []
 
 
 def compile_threads(num_programs: int) -> int:
@@ -504,7 +585,8 @@ def compile_threads(num_programs: int) -> int:
   return max(1, min(threads, num_programs))
 
 
-def compile_programs(programs: list[Program], *, after: Callable | None = None) -> float:
+def compile_programs(programs: list[Program], *, after: Callable | None = None,
+                     check_later: bool = False) -> Verification | None:
   """Every one of ``programs``, in order (the train step first): where a run
   saved it, its load is handed at once to a thread pool of
   :func:`compile_threads` (XLA's work, outside the GIL) and runs while this
@@ -514,12 +596,18 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
   the others are still being lowered, and a warm start waits for its
   traces or its slowest load, not for their sum. A saved program that does
   not load, or was compiled from another jaxpr than this trace's, is
-  lowered and compiled after the others. ``after(program)`` then runs on
-  each program in this thread (the train step's memory check and automatic
-  microbatch, which may compile it again); it may raise, and a program XLA
-  refused for want of memory that it leaves uncompiled raises
-  CompilerOutOfMemory. Saves what compiled (Program.save) and logs one line
-  per program. Returns the seconds it took."""
+  lowered and compiled after the others.
+
+  ``check_later``: a loaded program is not traced here but in a
+  :class:`Verification`, returned (None where nothing loaded), which the
+  caller waits for before it keeps anything the programs computed; a warm
+  start then waits for its slowest load alone.
+
+  ``after(program)`` then runs on each program in this thread (the train
+  step's memory check and automatic microbatch, which may compile it
+  again); it may raise, and a program XLA refused for want of memory that
+  it leaves uncompiled raises CompilerOutOfMemory. Saves what compiled
+  (Program.save) and logs one line per program, and one for them all."""
   t0 = time.perf_counter()
   threads = compile_threads(len(programs))
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
@@ -529,17 +617,20 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
         loading = program.find_saved()
         if loading:
           futures[pool.submit(program.load)] = program
-        program.trace()
+        if not (loading and check_later):
+          program.trace()
         if not loading:
           program.lower()
           futures[pool.submit(program.compile)] = program
       unloaded = []
       for future in concurrent.futures.as_completed(futures):
         program = futures[future]
-        if future.result() is False or ("load" in program.times
+        if future.result() is False or ("load" in program.times and not check_later
                                         and not program.loaded_matches()):
           unloaded.append(program)        # only a load returns False
       for program in unloaded:
+        if program.traced is None:
+          program.trace()
         program.lower()
       for future in [pool.submit(program.compile) for program in unloaded]:
         future.result()
@@ -553,10 +644,13 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None) 
     if program.compiled is None:
       raise program.refused
     program.save()
-    logging.info("start-up: %s: %s", program.name, program.describe())
+    logging.info("start-up: %s: %s%s", program.name, program.describe(),
+                 " (checked against its trace beside the first steps)"
+                 if program.traced is None else "")
   seconds = time.perf_counter() - t0
+  loaded = [program for program in programs if "load" in program.times]
   if len(programs) > 1:
-    loaded = sum("load" in program.times for program in programs)
     logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
-                 len(programs), seconds, len(programs) - loaded, threads, loaded)
-  return seconds
+                 len(programs), seconds, len(programs) - len(loaded), threads, len(loaded))
+  unchecked = [program for program in loaded if program.traced is None]
+  return Verification(unchecked) if unchecked else None
