@@ -194,11 +194,12 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   log = _cli(tmp_path / "b", cache, "--config.keep_checkpoints=1")
   for name in PROGRAMS:
     line = next(l for l in log.splitlines() if f"start-up: {name}: " in l)
-    # Loaded, and traced only beside the first steps (aot.Verification).
+    # Loaded, and traced only beside the first steps (aot.Deferred).
     assert line.split(f"start-up: {name}: ")[1].startswith("load ") and "compile" not in line, line
     assert "checked against its trace beside the first steps" in line, line
   assert "4 programs ready" in log and "(0 compiled, 1 at a time; 4 loaded)" in log
-  assert "start-up: saved programs checked: 4 against this run's trace" in log
+  assert ("start-up: deferred: 4 loaded program(s) checked against this run's trace, "
+          "0 compiled saved" in log)
   assert (tmp_path / "b" / "predictions.png").exists()
   # The loaded programs compute what the compiled ones did.
   scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))
@@ -234,10 +235,10 @@ def test_a_stale_saved_program_stops_the_run_before_its_first_checkpoint(tmp_pat
   assert (tmp_path / "c" / "checkpoints" / "2").exists()
 
 
-def test_a_check_later_loads_at_once_and_traces_in_another_thread(tmp_path, monkeypatch):
-  """check_later: the calling thread only loads; the trace runs in the
-  Verification's thread, which passes a saved program of this run and
-  raises StaleSavedProgram (the file removed) for another program's."""
+def test_defer_loads_at_once_and_traces_in_another_thread(tmp_path, monkeypatch):
+  """defer: the calling thread only loads; the trace runs in the Deferred's
+  thread, which passes a saved program of this run and raises
+  StaleSavedProgram (the file removed) for another program's."""
   aot.compile_programs([_program(tmp_path, scale=8.0)])
   threads = []
   real_trace = aot.Program.trace
@@ -248,20 +249,45 @@ def test_a_check_later_loads_at_once_and_traces_in_another_thread(tmp_path, monk
 
   monkeypatch.setattr(aot.Program, "trace", trace)
   same = _program(tmp_path, scale=8.0)
-  check = aot.compile_programs([same], check_later=True)
-  assert "load" in same.times and check is not None
-  check.wait()
-  assert threads == ["check-saved-programs"]
+  deferred = aot.compile_programs([same], defer=True)
+  assert "load" in same.times and deferred is not None
+  deferred.wait()
+  assert threads == ["start-up-deferred"]
   assert float(same.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 96.0
   other = _program(tmp_path, scale=9.0)             # the file holds scale 8's program
-  check = aot.compile_programs([other], check_later=True)
+  deferred = aot.compile_programs([other], defer=True)
   assert "load" in other.times
   with pytest.raises(aot.StaleSavedProgram, match="another program"):
-    check.wait()
+    deferred.wait()
   assert not (tmp_path / "k1.bin").exists()
-  check.wait()                                       # said once
-  # Nothing loaded, nothing to check.
-  assert aot.compile_programs([_program(tmp_path, scale=9.0)], check_later=True) is None
+  deferred.wait()                                    # said once
+
+
+def test_defer_saves_a_compiled_program_after_it_is_handed_over(tmp_path, monkeypatch):
+  """defer: a compiled program is handed back before its file is written
+  (serialising and writing it is off the first step's path); waiting for
+  the Deferred writes it, and it then loads."""
+  release = threading.Event()
+  real_save = executables.save
+
+  def save(path, compiled, info=None):
+    assert release.wait(timeout=60)
+    return real_save(path, compiled, info)
+
+  monkeypatch.setattr(executables, "save", save)
+  program = _program(tmp_path, scale=10.0)
+  deferred = aot.compile_programs([program], defer=True)
+  assert "compile" in program.times and program.compiled is not None
+  assert not (tmp_path / "k1.bin").exists()
+  assert float(program.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 120.0
+  release.set()
+  deferred.wait()
+  assert (tmp_path / "k1.bin").exists()
+  again = _program(tmp_path, scale=10.0)
+  aot.compile_programs([again])
+  assert "load" in again.times
+  # Without defer nothing is left to a thread.
+  assert aot.compile_programs([_program(tmp_path, scale=11.0)]) is None
 
 
 def test_saved_executables_are_off_on_the_cpu_and_on_gpus_and_tpus(monkeypatch, tmp_path):

@@ -15,7 +15,8 @@ initialisation, a trainer's closing picture) is a :class:`Program`,
 compiled at start-up side by side (:func:`compile_programs`) or loaded
 from the executable a run of the same program saved (train/executables.py).
 The training loop uses a loaded program at once and checks it against this
-run's trace beside the first steps (:class:`Verification`).
+run's trace beside the first steps, where it also saves what compiled
+(:class:`Deferred`).
 
 The figure is XLA's buffer assignment of the program: arguments (the train
 state and the batch) + outputs - the outputs that alias donated arguments +
@@ -487,7 +488,7 @@ class Program:
 
   def describe(self) -> str:
     """``trace 0.4 s, lower 1.2 s, compile 3.1 s``, ``trace 0.4 s, load 0.2 s``
-    or, for a load checked later (:class:`Verification`), ``load 0.2 s``."""
+    or, for a load checked later (:class:`Deferred`), ``load 0.2 s``."""
     order = ("trace", "lower", "compile", "load")
     return ", ".join(f"{k} {self.times[k]:.1f} s" for k in order if k in self.times)
 
@@ -497,40 +498,43 @@ class StaleSavedProgram(RuntimeError):
   this run's trace (its file is removed)."""
 
 
-class Verification:
-  """Loaded programs checked against this run's trace in a background thread.
+class Deferred:
+  """What start-up leaves to a thread beside the training loop's first steps:
+  checking the loaded programs against this run's trace, and saving the
+  compiled ones for the next run.
 
   The name of a saved program's file covers what it is built from (the
   config, darl_jax's source, the libraries' versions, the devices: see
   train/executables.py); the jaxpr saved inside covers the rest (code
   outside darl_jax, a library changed under the same version). Tracing a
-  program to compare the two takes seconds, longer than its load (the
-  warm start-up rows of benchmarks/RESULTS.md), so the training loop
-  runs a loaded program at once and traces it here, beside its first
-  steps, and :meth:`wait` (called before anything is saved, and before
-  the closing programs run) raises StaleSavedProgram, with the files
-  removed, where a trace differs. A run whose programs were stale then
-  stops before its first checkpoint: no state computed by them is kept,
-  and its rerun compiles them.
+  program to compare the two takes seconds, longer than its load, and
+  serialising and writing a compiled program a second or two (the start-up
+  rows of benchmarks/RESULTS.md), so the training loop runs its programs
+  at once and does both here. :meth:`wait` (called before anything is
+  checkpointed, and before the closing programs run) raises
+  StaleSavedProgram, with the files removed, where a trace differs: a run
+  whose programs were stale stops before its first checkpoint, nothing
+  computed by them is kept, and its rerun compiles them.
   """
 
-  def __init__(self, programs: list[Program]):
-    self.programs = list(programs)
+  def __init__(self, loaded: list[Program], compiled: list[Program]):
+    self.loaded, self.compiled = list(loaded), list(compiled)
     self.stale: list[Program] = []
     self.error: BaseException | None = None
     self.seconds = 0.0
-    self._thread = threading.Thread(target=self._check, name="check-saved-programs",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._run, name="start-up-deferred", daemon=True)
     self._thread.start()
 
-  def _check(self) -> None:
+  def _run(self) -> None:
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     t0 = time.perf_counter()
     try:
-      for program in self.programs:
+      for program in self.loaded:
         program.trace()
         if program.saved_jaxpr != executables.jaxpr_digest(program.traced):
           self.stale.append(program)
+      for program in self.compiled:
+        program.save()
     except BaseException as e:  # pylint: disable=broad-except  # raised by wait()
       self.error = e
     self.seconds = time.perf_counter() - t0
@@ -539,9 +543,10 @@ class Verification:
     return not self._thread.is_alive()
 
   def wait(self, timeout: float | None = None) -> None:
-    """Waits for the check (at most ``timeout`` seconds; then returns with
-    the check unfinished: :meth:`done` tells); raises StaleSavedProgram
-    where a loaded program is not this run's, or what the trace raised."""
+    """Waits for the thread (at most ``timeout`` seconds; then returns with
+    it unfinished: :meth:`done` tells); raises StaleSavedProgram where a
+    loaded program is not this run's, or what the thread raised. Says
+    either once."""
     self._thread.join(timeout)
     if self._thread.is_alive():
       return
@@ -555,17 +560,18 @@ class Verification:
         except OSError:
           pass
       names = ", ".join(f"the {p.name} ({p.path})" for p in self.stale)
-      self.stale, self.programs = [], []
+      self.stale, self.loaded, self.compiled = [], [], []
       raise StaleSavedProgram(
           f"{names} loaded from a saved file was compiled from another program than this "
           "run's (code outside darl_jax, or a library changed under the same version); "
           "the file is removed and nothing this run computed was checkpointed: run the "
           "command again (it compiles the program; a run resumes from its checkpoint), or "
           "set DARL_COMPILED_STEP_CACHE=0 to compile every time")
-    if self.programs:
-      logging.info("start-up: saved programs checked: %d against this run's trace in %.1f s, "
-                   "beside the first steps", len(self.programs), self.seconds)
-      self.programs = []
+    if self.loaded or self.compiled:
+      logging.info("start-up: deferred: %d loaded program(s) checked against this run's "
+                   "trace, %d compiled saved, in %.1f s beside the first steps",
+                   len(self.loaded), len(self.compiled), self.seconds)
+      self.loaded, self.compiled = [], []
 
 
 def compile_threads(num_programs: int) -> int:
@@ -586,7 +592,7 @@ def compile_threads(num_programs: int) -> int:
 
 
 def compile_programs(programs: list[Program], *, after: Callable | None = None,
-                     check_later: bool = False) -> Verification | None:
+                     defer: bool = False) -> Deferred | None:
   """Every one of ``programs``, in order (the train step first): where a run
   saved it, its load is handed at once to a thread pool of
   :func:`compile_threads` (XLA's work, outside the GIL) and runs while this
@@ -598,10 +604,11 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
   not load, or was compiled from another jaxpr than this trace's, is
   lowered and compiled after the others.
 
-  ``check_later``: a loaded program is not traced here but in a
-  :class:`Verification`, returned (None where nothing loaded), which the
-  caller waits for before it keeps anything the programs computed; a warm
-  start then waits for its slowest load alone.
+  ``defer``: a loaded program is not traced here, nor a compiled one saved:
+  both are left to a :class:`Deferred`, returned (None where there is
+  neither), which the caller waits for before it keeps anything the
+  programs computed; a warm start then waits for its slowest load alone,
+  a cold one for its slowest compile.
 
   ``after(program)`` then runs on each program in this thread (the train
   step's memory check and automatic microbatch, which may compile it
@@ -617,7 +624,7 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
         loading = program.find_saved()
         if loading:
           futures[pool.submit(program.load)] = program
-        if not (loading and check_later):
+        if not (loading and defer):
           program.trace()
         if not loading:
           program.lower()
@@ -625,7 +632,7 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
       unloaded = []
       for future in concurrent.futures.as_completed(futures):
         program = futures[future]
-        if future.result() is False or ("load" in program.times and not check_later
+        if future.result() is False or ("load" in program.times and not defer
                                         and not program.loaded_matches()):
           unloaded.append(program)        # only a load returns False
       for program in unloaded:
@@ -643,7 +650,8 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
       after(program)
     if program.compiled is None:
       raise program.refused
-    program.save()
+    if not defer:
+      program.save()
     logging.info("start-up: %s: %s%s", program.name, program.describe(),
                  " (checked against its trace beside the first steps)"
                  if program.traced is None else "")
@@ -652,5 +660,8 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
   if len(programs) > 1:
     logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
                  len(programs), seconds, len(programs) - len(loaded), threads, len(loaded))
+  if not defer:
+    return None
   unchecked = [program for program in loaded if program.traced is None]
-  return Verification(unchecked) if unchecked else None
+  unsaved = [program for program in programs if "compile" in program.times]
+  return Deferred(unchecked, unsaved) if unchecked or unsaved else None

@@ -26,7 +26,8 @@ recompiles, the new program replacing the file. The training loop instead
 runs a loaded program at once and traces it beside the first steps (a
 trace takes longer than a load: benchmarks/RESULTS.md); a mismatch stops the run before its first
 checkpoint, with the file removed, and the rerun compiles
-(train/aot.py's Verification).
+(train/aot.py's Deferred, which also saves a compiled program beside the
+first steps).
 
 On by default where saved executables load in a new process and run: GPUs
 (measured on an H200: a saved B/16 train step loaded in 1.7 s in a new

@@ -693,9 +693,9 @@ def _explain_by_stale_programs(programs, exc_type, exc, tb) -> bool:
   # A signal (Ctrl-C, a preemption notice) is not a program's failure and
   # does not wait.
   if (isinstance(exc, Exception) and not isinstance(exc, interrupts.Terminated)
-      and programs.verification is not None):
+      and programs.deferred is not None):
     try:
-      programs.verification.wait(timeout=STALE_CHECK_TIMEOUT_S)
+      programs.deferred.wait(timeout=STALE_CHECK_TIMEOUT_S)
     except aot.StaleSavedProgram as stale:
       raise stale from exc
     except Exception:  # pylint: disable=broad-except  # the run's own error stands
@@ -753,14 +753,15 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   early = start_feed(0, None) if saved is None else None
   stop_after = config.get("stop_after_steps", 0)
   finalizes = stop_after <= 0 or (saved or 0) + stop_after >= total_steps
-  # A loaded program runs at once; its check against this run's trace runs
-  # beside the first steps, and ``programs.check()`` waits for it before
-  # anything is saved or the closing programs run (aot.Verification).
+  # The programs run at once: a loaded one's check against this run's trace
+  # and a compiled one's saving run beside the first steps, and
+  # ``programs.check()`` waits for them before anything is checkpointed or
+  # the closing programs run (aot.Deferred).
   programs = compile_programs(
       built, config, trainer=trainer, eval_step=bool(config.eval_every_steps),
       init=saved is None, view=bool(config.eval_every_steps) or finalizes,
       extra=(trainer.finalize_programs(ctx, model, built.abstract_state["params"])
-             if finalizes else None), check_later=True)
+             if finalizes else None), defer=True)
   cleanup.push(functools.partial(_explain_by_stale_programs, programs))
   built.eval_view = programs.eval_view or built.eval_view
   train_step = programs.train_step

@@ -41,21 +41,22 @@ class Programs:
   init_state: Any                # the compiled init_step, or None
   extra: dict                    # name -> compiled, of Trainer.finalize_programs
   eval_view: Callable | None = None   # eval_view with its EMA average compiled
-  # The loaded programs' check against this run's trace, still running
-  # beside the first steps (check_later; aot.Verification), or None.
-  verification: aot.Verification | None = None
+  # What start-up left to run beside the first steps (defer: the loaded
+  # programs' check against this run's trace, the compiled ones' saving;
+  # aot.Deferred), or None.
+  deferred: aot.Deferred | None = None
 
   def check(self) -> None:
-    """Waits for the loaded programs' check; raises aot.StaleSavedProgram
-    where one is not this run's program. Called before anything they
+    """Waits for the deferred work; raises aot.StaleSavedProgram where a
+    loaded program is not this run's. Called before anything the programs
     computed is kept (a checkpoint, the closing programs)."""
-    if self.verification is not None:
-      self.verification.wait()
+    if self.deferred is not None:
+      self.deferred.wait()
 
 
 def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: bool = True,
                      eval_step: bool = False, init: bool = False, view: bool = False,
-                     extra: dict | None = None, check_later: bool = False) -> Programs:
+                     extra: dict | None = None, defer: bool = False) -> Programs:
   """Every program a run uses, compiled at start-up before the checkpoint is
   read or the data flows (train/aot.py's compile_programs: traced and
   lowered in turn, compiled side by side): the train step for the state
@@ -72,9 +73,9 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
   anything compiles, stepped down at most once on the compiled figure
   (aot.first_microbatch, aot.choose_microbatch). ``reuse``: load what a
   run of the same program saved (train/executables.py; ``trainer`` is part
-  of the key), else compile and save it. ``check_later``: a loaded program
-  is checked against this run's trace beside the first steps instead of
-  before them (``Programs.check``, aot.Verification)."""
+  of the key), else compile and save it. ``defer``: a loaded program is
+  checked against this run's trace, and a compiled one saved, beside the
+  first steps instead of before them (``Programs.check``, aot.Deferred)."""
   device = device if device is not None else built.mesh.devices.flat[0]
   capacity = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
   batch_size = config.batch_size
@@ -163,7 +164,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
     aot.check_fits(aot.footprint(train.compiled), capacity, batch_size=batch_size,
                    microbatch=train.info["microbatch_size"], sizes=sizes)
 
-  verification = aot.compile_programs(programs, after=choose, check_later=check_later)
+  deferred = aot.compile_programs(programs, after=choose, defer=defer)
   microbatch = train.info["microbatch_size"]
   fp = aot.footprint(train.compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
@@ -192,7 +193,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
       extra={name: by_name[name].compiled for name in (extra or {})},
       eval_view=(eval_view(config, built.state_shardings, by_name["ema average"].compiled)
                  if averages else None),
-      verification=verification)
+      deferred=deferred)
 
 
 def newest_saved_step(workdir) -> int | None:
