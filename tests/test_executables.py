@@ -188,6 +188,7 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   log = _cli(tmp_path / "a", cache)
   for name in PROGRAMS:
     assert f"start-up: {name}: trace" in log and f"saved the compiled {name} as" in log, name
+  assert "0 loaded program(s) checked against this run's trace, 4 of 4 compiled saved" in log
   saved = sorted((cache / "executables").glob("*.bin"))
   assert len(saved) == len(PROGRAMS)
   # Another workdir, another cadence: the same programs, all loaded and run.
@@ -199,7 +200,7 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
     assert "checked against its trace beside the first steps" in line, line
   assert "4 programs ready" in log and "(0 compiled, 1 at a time; 4 loaded)" in log
   assert ("start-up: deferred: 4 loaded program(s) checked against this run's trace, "
-          "0 compiled saved" in log)
+          "0 of 0 compiled saved" in log)
   assert (tmp_path / "b" / "predictions.png").exists()
   # The loaded programs compute what the compiled ones did.
   scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))

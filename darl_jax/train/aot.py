@@ -475,16 +475,18 @@ class Program:
     self.times["compile"] = time.perf_counter() - t0
     return self.compiled
 
-  def save(self) -> None:
+  def save(self) -> bool:
     """Saves what was compiled (process 0 only), where a path is given, with
     the digest of the jaxpr it was traced as (what a rerun's trace must
-    match)."""
+    match); whether it was written."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     if self.path is None or "compile" not in self.times or jax.process_index() != 0:
-      return
+      return False
     info = {**self.info, executables.JAXPR_KEY: executables.jaxpr_digest(self.traced)}
-    if executables.save(self.path, self.compiled, info):
-      logging.info("saved the compiled %s as %s for the next run", self.name, self.path)
+    if not executables.save(self.path, self.compiled, info):
+      return False
+    logging.info("saved the compiled %s as %s for the next run", self.name, self.path)
+    return True
 
   def describe(self) -> str:
     """``trace 0.4 s, lower 1.2 s, compile 3.1 s``, ``trace 0.4 s, load 0.2 s``
@@ -521,7 +523,7 @@ class Deferred:
     self.loaded, self.compiled = list(loaded), list(compiled)
     self.stale: list[Program] = []
     self.error: BaseException | None = None
-    self.seconds = 0.0
+    self.seconds, self.saved = 0.0, 0
     self._thread = threading.Thread(target=self._run, name="start-up-deferred", daemon=True)
     self._thread.start()
 
@@ -533,8 +535,7 @@ class Deferred:
         program.trace()
         if program.saved_jaxpr != executables.jaxpr_digest(program.traced):
           self.stale.append(program)
-      for program in self.compiled:
-        program.save()
+      self.saved = sum(program.save() for program in self.compiled)
     except BaseException as e:  # pylint: disable=broad-except  # raised by wait()
       self.error = e
     self.seconds = time.perf_counter() - t0
@@ -569,8 +570,8 @@ class Deferred:
           "set DARL_COMPILED_STEP_CACHE=0 to compile every time")
     if self.loaded or self.compiled:
       logging.info("start-up: deferred: %d loaded program(s) checked against this run's "
-                   "trace, %d compiled saved, in %.1f s beside the first steps",
-                   len(self.loaded), len(self.compiled), self.seconds)
+                   "trace, %d of %d compiled saved, in %.1f s beside the first steps",
+                   len(self.loaded), self.saved, len(self.compiled), self.seconds)
       self.loaded, self.compiled = [], []
 
 
@@ -663,5 +664,6 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
   if not defer:
     return None
   unchecked = [program for program in loaded if program.traced is None]
-  unsaved = [program for program in programs if "compile" in program.times]
+  unsaved = [program for program in programs if "compile" in program.times
+             and program.path is not None and jax.process_index() == 0]
   return Deferred(unchecked, unsaved) if unchecked or unsaved else None
