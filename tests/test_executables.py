@@ -360,3 +360,27 @@ def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_
                      match=r"k1\.bin loaded but failed at its first call.*run the command again"):
     again.compiled(jnp.zeros(()), x)
   assert not (tmp_path / "k1.bin").exists()
+
+
+def test_a_run_that_fails_while_a_stale_program_is_checked_names_the_stale_program(tmp_path):
+  """The loop's clean-up (loop._explain_by_stale_programs): an error the run
+  raised while its loaded programs were being checked is reported as the
+  stale program where one is (the run's error chained), passes unchanged
+  where none is, and a signal (Ctrl-C, a preemption notice) never waits."""
+  from darl_jax import interrupts  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop, startup  # pylint: disable=g-import-not-at-top
+  aot.compile_programs([_program(tmp_path, scale=12.0)])
+  stale = _program(tmp_path, scale=13.0)              # the file holds scale 12's program
+  programs = startup.Programs(train_step=None, info={}, eval_step=None, init_state=None,
+                              extra={}, deferred=aot.compile_programs([stale], defer=True))
+  for signal in (KeyboardInterrupt(), interrupts.Terminated("stop")):
+    assert loop._explain_by_stale_programs(programs, type(signal), signal, None) is False
+  error = KeyError("loss")                             # a stale program's odd output
+  with pytest.raises(aot.StaleSavedProgram) as raised:
+    loop._explain_by_stale_programs(programs, KeyError, error, None)
+  assert raised.value.__cause__ is error
+  aot.compile_programs([_program(tmp_path, scale=14.0)])
+  fresh = _program(tmp_path, scale=14.0)
+  programs.deferred = aot.compile_programs([fresh], defer=True)
+  assert loop._explain_by_stale_programs(programs, KeyError, error, None) is False
+  assert programs.deferred.done()
