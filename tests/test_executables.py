@@ -188,19 +188,15 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   log = _cli(tmp_path / "a", cache)
   for name in PROGRAMS:
     assert f"start-up: {name}: trace" in log and f"saved the compiled {name} as" in log, name
-  assert "0 loaded program(s) checked against this run's trace, 4 of 4 compiled saved" in log
+  assert "start-up: saved 4 of 4 compiled programs beside the first steps" in log
   saved = sorted((cache / "executables").glob("*.bin"))
   assert len(saved) == len(PROGRAMS)
   # Another workdir, another cadence: the same programs, all loaded and run.
   log = _cli(tmp_path / "b", cache, "--config.keep_checkpoints=1")
   for name in PROGRAMS:
     line = next(l for l in log.splitlines() if f"start-up: {name}: " in l)
-    # Loaded, and traced only beside the first steps (aot.Deferred).
-    assert line.split(f"start-up: {name}: ")[1].startswith("load ") and "compile" not in line, line
-    assert "checked against its trace beside the first steps" in line, line
+    assert ", load " in line and "compile" not in line, line
   assert "4 programs ready" in log and "(0 compiled, 1 at a time; 4 loaded)" in log
-  assert ("start-up: deferred: 4 loaded program(s) checked against this run's trace, "
-          "0 of 0 compiled saved" in log)
   assert (tmp_path / "b" / "predictions.png").exists()
   # The loaded programs compute what the compiled ones did.
   scores = lambda w: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("param_norm"))
@@ -209,65 +205,10 @@ def test_a_rerun_loads_every_program_the_first_run_saved_and_trains_the_same(tmp
   assert sorted((cache / "executables").glob("*.bin")) == saved
 
 
-def test_a_stale_saved_program_stops_the_run_before_its_first_checkpoint(tmp_path):
-  """The loop runs a loaded program at once and checks it against this
-  run's trace beside the first steps: a saved train step whose jaxpr is not
-  this run's (its digest altered in the file, as code outside the key's
-  reach would) stops the run with one error line before anything is
-  checkpointed, the file is removed, and the rerun compiles it and trains."""
-  import pickle  # pylint: disable=g-import-not-at-top
-  cache = tmp_path / "cache"
-  log = _cli(tmp_path / "a", cache)
-  train_file = next(pathlib.Path(line.split(" as ")[1].split()[0])
-                    for line in log.splitlines() if "saved the compiled train step as" in line)
-  with open(train_file, "rb") as f:
-    payload, info = pickle.load(f)
-  info[executables.JAXPR_KEY] = "0" * 64
-  with open(train_file, "wb") as f:
-    pickle.dump((payload, info), f)
-  with pytest.raises(AssertionError) as failed:
-    _cli(tmp_path / "b", cache)
-  err = str(failed.value)
-  assert "error: " in err and "the train step" in err and "another program" in err, err
-  assert not list((tmp_path / "b" / "checkpoints").glob("*"))      # nothing kept
-  assert not train_file.exists()
-  log = _cli(tmp_path / "c", cache)
-  assert "saved the compiled train step as" in log
-  assert (tmp_path / "c" / "checkpoints" / "2").exists()
-
-
-def test_defer_loads_at_once_and_traces_in_another_thread(tmp_path, monkeypatch):
-  """defer: the calling thread only loads; the trace runs in the Deferred's
-  thread, which passes a saved program of this run and raises
-  StaleSavedProgram (the file removed) for another program's."""
-  aot.compile_programs([_program(tmp_path, scale=8.0)])
-  threads = []
-  real_trace = aot.Program.trace
-
-  def trace(self):
-    threads.append(threading.current_thread().name)
-    real_trace(self)
-
-  monkeypatch.setattr(aot.Program, "trace", trace)
-  same = _program(tmp_path, scale=8.0)
-  deferred = aot.compile_programs([same], defer=True)
-  assert "load" in same.times and deferred is not None
-  deferred.wait()
-  assert threads == ["start-up-deferred"]
-  assert float(same.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 96.0
-  other = _program(tmp_path, scale=9.0)             # the file holds scale 8's program
-  deferred = aot.compile_programs([other], defer=True)
-  assert "load" in other.times
-  with pytest.raises(aot.StaleSavedProgram, match="another program"):
-    deferred.wait()
-  assert not (tmp_path / "k1.bin").exists()
-  deferred.wait()                                    # said once
-
-
-def test_defer_saves_a_compiled_program_after_it_is_handed_over(tmp_path, monkeypatch):
-  """defer: a compiled program is handed back before its file is written
-  (serialising and writing it is off the first step's path); waiting for
-  the Deferred writes it, and it then loads."""
+def test_deferred_saves_write_a_program_after_it_is_handed_over(tmp_path, monkeypatch):
+  """defer_saves: a compiled program is handed back before its file is
+  written (serialising and writing it is off the first step's path);
+  waiting for the DeferredSaves writes it, and it then loads."""
   release = threading.Event()
   real_save = executables.save
 
@@ -277,17 +218,17 @@ def test_defer_saves_a_compiled_program_after_it_is_handed_over(tmp_path, monkey
 
   monkeypatch.setattr(executables, "save", save)
   program = _program(tmp_path, scale=10.0)
-  deferred = aot.compile_programs([program], defer=True)
-  assert "compile" in program.times and program.compiled is not None
+  saves = aot.compile_programs([program], defer_saves=True)
+  assert "compile" in program.times and saves is not None
   assert not (tmp_path / "k1.bin").exists()
   assert float(program.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 120.0
   release.set()
-  deferred.wait()
-  assert (tmp_path / "k1.bin").exists()
+  saves.wait()
+  assert (tmp_path / "k1.bin").exists() and saves.saved == 1
   again = _program(tmp_path, scale=10.0)
-  aot.compile_programs([again])
+  assert aot.compile_programs([again], defer_saves=True) is None     # loaded: nothing to save
   assert "load" in again.times
-  # Without defer nothing is left to a thread.
+  # Without defer_saves nothing is left to a thread.
   assert aot.compile_programs([_program(tmp_path, scale=11.0)]) is None
 
 
@@ -360,27 +301,3 @@ def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_
                      match=r"k1\.bin loaded but failed at its first call.*run the command again"):
     again.compiled(jnp.zeros(()), x)
   assert not (tmp_path / "k1.bin").exists()
-
-
-def test_a_run_that_fails_while_a_stale_program_is_checked_names_the_stale_program(tmp_path):
-  """The loop's clean-up (loop._explain_by_stale_programs): an error the run
-  raised while its loaded programs were being checked is reported as the
-  stale program where one is (the run's error chained), passes unchanged
-  where none is, and a signal (Ctrl-C, a preemption notice) never waits."""
-  from darl_jax import interrupts  # pylint: disable=g-import-not-at-top
-  from darl_jax.train import loop, startup  # pylint: disable=g-import-not-at-top
-  aot.compile_programs([_program(tmp_path, scale=12.0)])
-  stale = _program(tmp_path, scale=13.0)              # the file holds scale 12's program
-  programs = startup.Programs(train_step=None, info={}, eval_step=None, init_state=None,
-                              extra={}, deferred=aot.compile_programs([stale], defer=True))
-  for signal in (KeyboardInterrupt(), interrupts.Terminated("stop")):
-    assert loop._explain_by_stale_programs(programs, type(signal), signal, None) is False
-  error = KeyError("loss")                             # a stale program's odd output
-  with pytest.raises(aot.StaleSavedProgram) as raised:
-    loop._explain_by_stale_programs(programs, KeyError, error, None)
-  assert raised.value.__cause__ is error
-  aot.compile_programs([_program(tmp_path, scale=14.0)])
-  fresh = _program(tmp_path, scale=14.0)
-  programs.deferred = aot.compile_programs([fresh], defer=True)
-  assert loop._explain_by_stale_programs(programs, KeyError, error, None) is False
-  assert programs.deferred.done()

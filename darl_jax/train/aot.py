@@ -14,9 +14,8 @@ Every program a run uses (train and eval steps, the state's
 initialisation, a trainer's closing picture) is a :class:`Program`,
 compiled at start-up side by side (:func:`compile_programs`) or loaded
 from the executable a run of the same program saved (train/executables.py).
-The training loop uses a loaded program at once and checks it against this
-run's trace beside the first steps, where it also saves what compiled
-(:class:`Deferred`).
+The training loop saves what compiled beside its first steps
+(:class:`DeferredSaves`).
 
 The figure is XLA's buffer assignment of the program: arguments (the train
 state and the batch) + outputs - the outputs that alias donated arguments +
@@ -489,90 +488,36 @@ class Program:
     return True
 
   def describe(self) -> str:
-    """``trace 0.4 s, lower 1.2 s, compile 3.1 s``, ``trace 0.4 s, load 0.2 s``
-    or, for a load checked later (:class:`Deferred`), ``load 0.2 s``."""
+    """``trace 0.4 s, lower 1.2 s, compile 3.1 s`` or ``trace 0.4 s, load 0.2 s``."""
     order = ("trace", "lower", "compile", "load")
     return ", ".join(f"{k} {self.times[k]:.1f} s" for k in order if k in self.times)
 
 
-class StaleSavedProgram(RuntimeError):
-  """A saved program the run used was compiled from another program than
-  this run's trace (its file is removed)."""
+class DeferredSaves:
+  """Compiled programs saved for the next run in a thread beside the training
+  loop's first steps, instead of between the last compile and the first
+  step: serialising and writing a large program takes seconds, which the
+  first steps hide for the most part (the start-up rows of
+  benchmarks/RESULTS.md). :meth:`wait` joins the thread; the loop waits for
+  it whenever it exits, so that a run leaves its files written (each is
+  written atomically: a killed run leaves none half-written)."""
 
-
-class Deferred:
-  """What start-up leaves to a thread beside the training loop's first steps:
-  checking the loaded programs against this run's trace, and saving the
-  compiled ones for the next run.
-
-  The name of a saved program's file covers what it is built from (the
-  config, darl_jax's source, the libraries' versions, the devices: see
-  train/executables.py); the jaxpr saved inside covers the rest (code
-  outside darl_jax, a library changed under the same version). Tracing a
-  program to compare the two takes seconds, longer than its load, and
-  serialising and writing a compiled program a second or two (the start-up
-  rows of benchmarks/RESULTS.md), so the training loop runs its programs
-  at once and does both here. :meth:`wait` (called before anything is
-  checkpointed, and before the closing programs run) raises
-  StaleSavedProgram, with the files removed, where a trace differs: a run
-  whose programs were stale stops before its first checkpoint, nothing
-  computed by them is kept, and its rerun compiles them.
-  """
-
-  def __init__(self, loaded: list[Program], compiled: list[Program]):
-    self.loaded, self.compiled = list(loaded), list(compiled)
-    self.stale: list[Program] = []
-    self.error: BaseException | None = None
-    self.seconds, self.saved = 0.0, 0
-    self._thread = threading.Thread(target=self._run, name="start-up-deferred", daemon=True)
+  def __init__(self, programs: list[Program]):
+    self.programs, self.saved, self.seconds = list(programs), 0, 0.0
+    self._thread = threading.Thread(target=self._run, name="save-programs", daemon=True)
     self._thread.start()
 
   def _run(self) -> None:
-    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     t0 = time.perf_counter()
-    try:
-      for program in self.loaded:
-        program.trace()
-        if program.saved_jaxpr != executables.jaxpr_digest(program.traced):
-          self.stale.append(program)
-      self.saved = sum(program.save() for program in self.compiled)
-    except BaseException as e:  # pylint: disable=broad-except  # raised by wait()
-      self.error = e
+    self.saved = sum(program.save() for program in self.programs)
     self.seconds = time.perf_counter() - t0
 
-  def done(self) -> bool:
-    return not self._thread.is_alive()
-
-  def wait(self, timeout: float | None = None) -> None:
-    """Waits for the thread (at most ``timeout`` seconds; then returns with
-    it unfinished: :meth:`done` tells); raises StaleSavedProgram where a
-    loaded program is not this run's, or what the thread raised. Says
-    either once."""
-    self._thread.join(timeout)
-    if self._thread.is_alive():
-      return
-    if self.error is not None:
-      error, self.error = self.error, None
-      raise error
-    if self.stale:
-      for program in self.stale:
-        try:
-          program.path.unlink()
-        except OSError:
-          pass
-      names = ", ".join(f"the {p.name} ({p.path})" for p in self.stale)
-      self.stale, self.loaded, self.compiled = [], [], []
-      raise StaleSavedProgram(
-          f"{names} loaded from a saved file was compiled from another program than this "
-          "run's (code outside darl_jax, or a library changed under the same version); "
-          "the file is removed and nothing this run computed was checkpointed: run the "
-          "command again (it compiles the program; a run resumes from its checkpoint), or "
-          "set DARL_COMPILED_STEP_CACHE=0 to compile every time")
-    if self.loaded or self.compiled:
-      logging.info("start-up: deferred: %d loaded program(s) checked against this run's "
-                   "trace, %d of %d compiled saved, in %.1f s beside the first steps",
-                   len(self.loaded), self.saved, len(self.compiled), self.seconds)
-      self.loaded, self.compiled = [], []
+  def wait(self) -> None:
+    self._thread.join()
+    if self.programs:
+      logging.info("start-up: saved %d of %d compiled programs beside the first steps in "
+                   "%.1f s", self.saved, len(self.programs), self.seconds)
+      self.programs = []
 
 
 def compile_threads(num_programs: int) -> int:
@@ -593,7 +538,7 @@ def compile_threads(num_programs: int) -> int:
 
 
 def compile_programs(programs: list[Program], *, after: Callable | None = None,
-                     defer: bool = False) -> Deferred | None:
+                     defer_saves: bool = False) -> DeferredSaves | None:
   """Every one of ``programs``, in order (the train step first): where a run
   saved it, its load is handed at once to a thread pool of
   :func:`compile_threads` (XLA's work, outside the GIL) and runs while this
@@ -605,17 +550,16 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
   not load, or was compiled from another jaxpr than this trace's, is
   lowered and compiled after the others.
 
-  ``defer``: a loaded program is not traced here, nor a compiled one saved:
-  both are left to a :class:`Deferred`, returned (None where there is
-  neither), which the caller waits for before it keeps anything the
-  programs computed; a warm start then waits for its slowest load alone,
-  a cold one for its slowest compile.
+  ``defer_saves``: what compiled is saved by a :class:`DeferredSaves`,
+  returned (None where nothing is to be saved), instead of here; the
+  caller waits for it before it exits.
 
   ``after(program)`` then runs on each program in this thread (the train
   step's memory check and automatic microbatch, which may compile it
   again); it may raise, and a program XLA refused for want of memory that
   it leaves uncompiled raises CompilerOutOfMemory. Saves what compiled
-  (Program.save) and logs one line per program, and one for them all."""
+  (Program.save; or leaves it to the DeferredSaves) and logs one line per
+  program, and one for them all."""
   t0 = time.perf_counter()
   threads = compile_threads(len(programs))
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
@@ -625,20 +569,17 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
         loading = program.find_saved()
         if loading:
           futures[pool.submit(program.load)] = program
-        if not (loading and defer):
-          program.trace()
+        program.trace()
         if not loading:
           program.lower()
           futures[pool.submit(program.compile)] = program
       unloaded = []
       for future in concurrent.futures.as_completed(futures):
         program = futures[future]
-        if future.result() is False or ("load" in program.times and not defer
+        if future.result() is False or ("load" in program.times
                                         and not program.loaded_matches()):
           unloaded.append(program)        # only a load returns False
       for program in unloaded:
-        if program.traced is None:
-          program.trace()
         program.lower()
       for future in [pool.submit(program.compile) for program in unloaded]:
         future.result()
@@ -651,19 +592,14 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
       after(program)
     if program.compiled is None:
       raise program.refused
-    if not defer:
+    if not defer_saves:
       program.save()
-    logging.info("start-up: %s: %s%s", program.name, program.describe(),
-                 " (checked against its trace beside the first steps)"
-                 if program.traced is None else "")
+    logging.info("start-up: %s: %s", program.name, program.describe())
   seconds = time.perf_counter() - t0
-  loaded = [program for program in programs if "load" in program.times]
   if len(programs) > 1:
+    loaded = sum("load" in program.times for program in programs)
     logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
-                 len(programs), seconds, len(programs) - len(loaded), threads, len(loaded))
-  if not defer:
-    return None
-  unchecked = [program for program in loaded if program.traced is None]
+                 len(programs), seconds, len(programs) - loaded, threads, loaded)
   unsaved = [program for program in programs if "compile" in program.times
              and program.path is not None and jax.process_index() == 0]
-  return Deferred(unchecked, unsaved) if unchecked or unsaved else None
+  return DeferredSaves(unsaved) if defer_saves and unsaved else None

@@ -18,16 +18,11 @@ darl_jax module and of the trainer's class (custom gradient rules are not
 in a jaxpr's text), the versions of jax, jaxlib and the libraries the step
 calls, the devices (platform, kind, count, ids), the mesh, the kernels
 chosen and the program's name. Inside the file is the digest of the traced
-program's jaxpr (``JAXPR_KEY``), which this run's trace must match, so that
-what the name misses (code outside darl_jax, a library changed under the
-same version) is caught. Where a program is compiled on its own (the TPU
-compile command, the benchmarks), the trace comes first and a mismatch
-recompiles, the new program replacing the file. The training loop instead
-runs a loaded program at once and traces it beside the first steps (a
-trace takes longer than a load: benchmarks/RESULTS.md); a mismatch stops the run before its first
-checkpoint, with the file removed, and the rerun compiles
-(train/aot.py's Deferred, which also saves a compiled program beside the
-first steps).
+program's jaxpr (``JAXPR_KEY``); the loaded executable is used only where
+this run's trace has the same (tracing takes seconds; it is lowering and
+compiling that a match skips), so what the name misses (code outside
+darl_jax, a library changed under the same version) recompiles, and the
+new program replaces the file.
 
 On by default where saved executables load in a new process and run: GPUs
 (measured on an H200: a saved B/16 train step loaded in 1.7 s in a new

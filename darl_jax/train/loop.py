@@ -47,7 +47,6 @@ from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import ema as ema_lib
 from darl_jax import files
-from darl_jax import interrupts
 from darl_jax import layer_layout
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
@@ -66,9 +65,6 @@ from darl_jax.train import startup
 # n - IN_FLIGHT before it dispatches step n + 1 (preemption.py's agreement
 # reasons from this bound).
 IN_FLIGHT = 2
-# How long a failed run waits for its loaded programs' check (a few seconds'
-# trace) before it reports its own error.
-STALE_CHECK_TIMEOUT_S = 60
 
 
 class NonFiniteError(RuntimeError):
@@ -684,25 +680,6 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
     return _run(trainer, config, workdir, cleanup)
 
 
-def _explain_by_stale_programs(programs, exc_type, exc, tb) -> bool:
-  """Exit callback of the run's clean-up: where the run failed while its
-  loaded programs were still being checked, a stale program (a wrong
-  output, a shape the loop did not expect) is the likelier cause, so its
-  StaleSavedProgram is raised instead (from the error). Never swallows."""
-  del exc_type, tb
-  # A signal (Ctrl-C, a preemption notice) is not a program's failure and
-  # does not wait.
-  if (isinstance(exc, Exception) and not isinstance(exc, interrupts.Terminated)
-      and programs.deferred is not None):
-    try:
-      programs.deferred.wait(timeout=STALE_CHECK_TIMEOUT_S)
-    except aot.StaleSavedProgram as stale:
-      raise stale from exc
-    except Exception:  # pylint: disable=broad-except  # the run's own error stands
-      pass
-  return False
-
-
 def _run(trainer: Trainer, config, workdir: epath.Path,
          cleanup: contextlib.ExitStack) -> dict:
   """``run`` in a validated, locked workdir; ``cleanup`` closes the writers
@@ -753,16 +730,15 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   early = start_feed(0, None) if saved is None else None
   stop_after = config.get("stop_after_steps", 0)
   finalizes = stop_after <= 0 or (saved or 0) + stop_after >= total_steps
-  # The programs run at once: a loaded one's check against this run's trace
-  # and a compiled one's saving run beside the first steps, and
-  # ``programs.check()`` waits for them before anything is checkpointed or
-  # the closing programs run (aot.Deferred).
+  # What compiled is saved for the next run beside the first steps (the
+  # serialising and writing would otherwise delay the first step), and
+  # waited for whenever the run ends.
   programs = compile_programs(
       built, config, trainer=trainer, eval_step=bool(config.eval_every_steps),
       init=saved is None, view=bool(config.eval_every_steps) or finalizes,
       extra=(trainer.finalize_programs(ctx, model, built.abstract_state["params"])
-             if finalizes else None), defer=True)
-  cleanup.push(functools.partial(_explain_by_stale_programs, programs))
+             if finalizes else None), defer_saves=True)
+  cleanup.callback(programs.wait_saves)
   built.eval_view = programs.eval_view or built.eval_view
   train_step = programs.train_step
   eval_step = programs.eval_step or eval_step
@@ -827,7 +803,6 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
           f"set optim.grad_clip_norm, or set skip_nonfinite=True to skip such steps")
 
   def save(state, step):
-    programs.check()      # nothing a stale saved program computed is kept
     check_finite(state, f"before the checkpoint at step {step}")
     # The data iterator's position after this step's batch: a resumed run
     # continues the same stream from it (every process runs the same
@@ -941,7 +916,6 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     if step == stop:
       preempt.stop(step, ckpt.wait)     # waits for the commit, raises Terminated
 
-  programs.check()
   feed.close()
   ckpt.wait()
   preempt.after_loop(step)     # a notice after the last step: Terminated, no finalize

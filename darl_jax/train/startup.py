@@ -41,22 +41,19 @@ class Programs:
   init_state: Any                # the compiled init_step, or None
   extra: dict                    # name -> compiled, of Trainer.finalize_programs
   eval_view: Callable | None = None   # eval_view with its EMA average compiled
-  # What start-up left to run beside the first steps (defer: the loaded
-  # programs' check against this run's trace, the compiled ones' saving;
-  # aot.Deferred), or None.
-  deferred: aot.Deferred | None = None
+  # The compiled programs being saved for the next run beside the first
+  # steps (defer_saves; aot.DeferredSaves), or None.
+  saves: aot.DeferredSaves | None = None
 
-  def check(self) -> None:
-    """Waits for the deferred work; raises aot.StaleSavedProgram where a
-    loaded program is not this run's. Called before anything the programs
-    computed is kept (a checkpoint, the closing programs)."""
-    if self.deferred is not None:
-      self.deferred.wait()
+  def wait_saves(self) -> None:
+    """Waits until the compiled programs are saved (the loop, at exit)."""
+    if self.saves is not None:
+      self.saves.wait()
 
 
 def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: bool = True,
                      eval_step: bool = False, init: bool = False, view: bool = False,
-                     extra: dict | None = None, defer: bool = False) -> Programs:
+                     extra: dict | None = None, defer_saves: bool = False) -> Programs:
   """Every program a run uses, compiled at start-up before the checkpoint is
   read or the data flows (train/aot.py's compile_programs: traced and
   lowered in turn, compiled side by side): the train step for the state
@@ -73,9 +70,8 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
   anything compiles, stepped down at most once on the compiled figure
   (aot.first_microbatch, aot.choose_microbatch). ``reuse``: load what a
   run of the same program saved (train/executables.py; ``trainer`` is part
-  of the key), else compile and save it. ``defer``: a loaded program is
-  checked against this run's trace, and a compiled one saved, beside the
-  first steps instead of before them (``Programs.check``, aot.Deferred)."""
+  of the key), else compile and save it: with ``defer_saves`` beside the
+  first steps (``Programs.saves``, aot.DeferredSaves)."""
   device = device if device is not None else built.mesh.devices.flat[0]
   capacity = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
   batch_size = config.batch_size
@@ -164,7 +160,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
     aot.check_fits(aot.footprint(train.compiled), capacity, batch_size=batch_size,
                    microbatch=train.info["microbatch_size"], sizes=sizes)
 
-  deferred = aot.compile_programs(programs, after=choose, defer=defer)
+  saves = aot.compile_programs(programs, after=choose, defer_saves=defer_saves)
   microbatch = train.info["microbatch_size"]
   fp = aot.footprint(train.compiled)
   aot.check_fits(fp, capacity, batch_size=batch_size, microbatch=microbatch, sizes=sizes)
@@ -193,7 +189,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
       extra={name: by_name[name].compiled for name in (extra or {})},
       eval_view=(eval_view(config, built.state_shardings, by_name["ema average"].compiled)
                  if averages else None),
-      deferred=deferred)
+      saves=saves)
 
 
 def newest_saved_step(workdir) -> int | None:
