@@ -474,12 +474,17 @@ class Program:
     self.times["compile"] = time.perf_counter() - t0
     return self.compiled
 
+  def to_save(self) -> bool:
+    """Whether :meth:`save` writes a file: a program compiled here (not
+    loaded), with a path, on process 0."""
+    return self.path is not None and "compile" in self.times and jax.process_index() == 0
+
   def save(self) -> bool:
-    """Saves what was compiled (process 0 only), where a path is given, with
-    the digest of the jaxpr it was traced as (what a rerun's trace must
-    match); whether it was written."""
+    """Saves what was compiled where :meth:`to_save`, with the digest of the
+    jaxpr it was traced as (what a rerun's trace must match); whether it
+    was written."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
-    if self.path is None or "compile" not in self.times or jax.process_index() != 0:
+    if not self.to_save():
       return False
     info = {**self.info, executables.JAXPR_KEY: executables.jaxpr_digest(self.traced)}
     if not executables.save(self.path, self.compiled, info):
@@ -600,6 +605,7 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
     loaded = sum("load" in program.times for program in programs)
     logging.info("start-up: %d programs ready in %.1f s (%d compiled, %d at a time; %d loaded)",
                  len(programs), seconds, len(programs) - loaded, threads, loaded)
-  unsaved = [program for program in programs if "compile" in program.times
-             and program.path is not None and jax.process_index() == 0]
-  return DeferredSaves(unsaved) if defer_saves and unsaved else None
+  if not defer_saves:
+    return None
+  unsaved = [program for program in programs if program.to_save()]
+  return DeferredSaves(unsaved) if unsaved else None
