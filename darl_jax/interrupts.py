@@ -28,9 +28,14 @@ import time
 from typing import Callable, Iterable
 
 
-class Terminated(Exception):
+class Terminated(BaseException):
   """SIGTERM (a preemption, a scheduler's stop) or the preemption signal,
-  raised in the main thread; its message says what happened to the steps."""
+  raised in the main thread; its message says what happened to the steps.
+
+  A ``BaseException``, like ``KeyboardInterrupt``: every ``except Exception``
+  on its way out (a restore that treats a failed read as damage, a loaded
+  program's first call, a data reader's fallback) lets it pass, so a signal
+  is never mistaken for a failure of what it interrupted."""
 
   def __init__(self, message: str = "terminated (SIGTERM)"):
     super().__init__(message)
