@@ -1,11 +1,14 @@
 """Compiled programs saved and loaded by key (darl_jax/train/executables.py,
 train/aot.py's Program): a match loads without compiling, anything that
 changes the program changes the key, a broken file falls back to
-compiling, and a rerun of the loop loads every program the first run saved."""
+compiling, and a rerun of the loop loads every program the first run saved.
+Nothing in a file is unpickled, and a folder others can write is refused."""
 
+import hashlib
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 import threading
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 
 from darl_jax import config_lib
+from darl_jax import interrupts
 from darl_jax.train import aot
 from darl_jax.train import executables
 
@@ -93,8 +97,8 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
 
 
 def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
-  """The load is handed to the pool before the trace begins (a warm start
-  waits for the longer of the two, not their sum)."""
+  """The file's read (Program.load) is handed to a thread before the trace
+  begins; only its deserialization waits for the trace's jaxpr check."""
   aot.compile_programs([_program(tmp_path, scale=7.0)])
   events, load_started = [], threading.Event()
   real_load, real_trace = aot.Program.load, aot.Program.trace
@@ -301,3 +305,290 @@ def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_
                      match=r"k1\.bin loaded but failed at its first call.*run the command again"):
     again.compiled(jnp.zeros(()), x)
   assert not (tmp_path / "k1.bin").exists()
+
+
+# ------------------------------------------ the file: nothing in it is unpickled
+
+class _WritesMarker:
+  """A pickle that, once unpickled, writes ``marker`` (what a planted file
+  would run)."""
+
+  def __init__(self, marker):
+    self.marker = str(marker)
+
+  def __reduce__(self):
+    return (pathlib.Path.write_text, (pathlib.Path(self.marker), "ran"))
+
+
+def _header(path):
+  data = path.read_bytes()
+  size = int.from_bytes(data[len(executables.MAGIC):len(executables.MAGIC) + 8], "little")
+  start = len(executables.MAGIC) + 8
+  return json.loads(data[start:start + size]), data[start + size:]
+
+
+def _write(path, header, payload):
+  blob = json.dumps(header).encode()
+  path.write_bytes(executables.MAGIC + len(blob).to_bytes(8, "little") + blob + payload)
+
+
+def test_a_saved_file_is_a_plain_header_and_xla_bytes(tmp_path):
+  aot.compile_programs([_program(tmp_path, scale=12.0)])
+  path = tmp_path / "k1.bin"
+  assert path.read_bytes().startswith(executables.MAGIC)
+  header, payload = _header(path)
+  assert header["format"] == executables.FORMAT and header["key"] == "k1"
+  assert header["info"] == {"microbatch_size": 4} and len(header["jaxpr"]) == 64
+  assert header["payload_bytes"] == len(payload)
+  assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_planted_pickle_never_runs_and_the_program_compiles(tmp_path, monkeypatch, caplog):
+  """Neither a pickle in place of the file nor one behind a valid header
+  (the right key and jaxpr, as a writer who knows the program could plant)
+  is unpickled: the marker it would write never appears."""
+  import pickle  # pylint: disable=g-import-not-at-top  # only to plant the file
+  marker = tmp_path / "marker"
+  evil = pickle.dumps(((_WritesMarker(marker), None, None), {}))
+  counter = CompileCounter(monkeypatch)
+  (tmp_path / "k1.bin").write_bytes(evil)
+  program = _program(tmp_path, scale=13.0)
+  with monkeypatch.context() as m:
+    m.setattr(executables, "save", lambda *args: False)      # nothing replaces it yet
+    aot.compile_programs([program])
+  assert counter.calls == 1 and "load" not in program.times and not marker.exists()
+  assert "did not load" in caplog.text
+  assert (tmp_path / "k1.bin").read_bytes() == evil           # not ours to delete
+  # A valid header of this very program, and a pickle as its executable.
+  aot.compile_programs([_program(tmp_path, scale=13.0)])
+  header, _ = _header(tmp_path / "k1.bin")
+  header.update(payload_bytes=len(evil), payload_sha256=hashlib.sha256(evil).hexdigest())
+  _write(tmp_path / "k1.bin", header, evil)
+  caplog.clear()
+  program = _program(tmp_path, scale=13.0)
+  aot.compile_programs([program])
+  assert counter.calls == 3 and "compile" in program.times and not marker.exists()
+  assert "did not load" in caplog.text
+  assert float(program.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 156.0
+
+
+@pytest.mark.parametrize("damage", ["version", "key", "truncated", "json", "info"])
+def test_a_malformed_file_is_ignored_with_one_line_and_kept(tmp_path, monkeypatch, caplog,
+                                                             damage):
+  aot.compile_programs([_program(tmp_path, scale=14.0)])
+  path = tmp_path / "k1.bin"
+  header, payload = _header(path)
+  if damage == "version":
+    header["format"] = executables.FORMAT + 1
+  elif damage == "key":
+    header["key"] = "k2"
+  elif damage == "info":
+    header["info"] = "not a dict"
+  _write(path, header, payload[:-10] if damage == "truncated" else payload)
+  if damage == "json":
+    path.write_bytes(executables.MAGIC + (5).to_bytes(8, "little") + b"{nope" + payload)
+  planted = path.read_bytes()
+  counter = CompileCounter(monkeypatch)
+  program = _program(tmp_path, scale=14.0)
+  monkeypatch.setattr(executables, "save", lambda *args: False)    # nothing replaces it
+  aot.compile_programs([program])
+  assert counter.calls == 1 and "load" not in program.times
+  assert caplog.text.count("did not load") == 1
+  assert path.read_bytes() == planted
+
+
+def test_a_file_of_another_jaxpr_is_never_deserialized(tmp_path, monkeypatch, caplog):
+  """The jaxpr's digest in the header is checked against this run's trace
+  before anything of the file is deserialized."""
+  aot.compile_programs([_program(tmp_path, scale=15.0)])
+  path = tmp_path / "k1.bin"
+  header, payload = _header(path)
+  header["jaxpr"] = "0" * 64
+  _write(path, header, payload)
+  calls = []
+  real = executables.deserialize
+  monkeypatch.setattr(executables, "deserialize", lambda *a: calls.append(a) or real(*a))
+  counter = CompileCounter(monkeypatch)
+  program = _program(tmp_path, scale=15.0)
+  aot.compile_programs([program])
+  assert not calls and counter.calls == 1 and "load" not in program.times
+  assert "compiled from another program" in caplog.text
+  again = _program(tmp_path, scale=15.0)                 # replaced by its own program
+  aot.compile_programs([again])
+  assert len(calls) == 1 and "load" in again.times and counter.calls == 1
+
+
+_SHARDED = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import dataclasses, pathlib
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from darl_jax.train import executables
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "fsdp"))
+state = NamedSharding(mesh, P("fsdp", None))
+batch = NamedSharding(mesh, P("data"))
+f = jax.jit(lambda s, x, unused: (s * 2 + x.sum(), {"m": x.mean(), "w": s}),
+            donate_argnums=(0,))
+args = (jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=state),
+        jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=batch),
+        jax.ShapeDtypeStruct((3,), jnp.int32, sharding=NamedSharding(mesh, P())))
+traced = f.trace(*args)
+compiled = traced.lower().compile()
+path = pathlib.Path(sys.argv[1]) / "sharded.bin"
+assert executables.save(path, compiled, {executables.JAXPR_KEY: "j"})
+saved = executables.read(path)
+loaded, info = executables.deserialize(saved, f.trace(*args))
+a, b = compiled._executable._unloaded_executable, loaded._executable._unloaded_executable
+for field in dataclasses.fields(a):
+  if field.name != "xla_executable":
+    assert getattr(a, field.name) == getattr(b, field.name), field.name
+assert loaded.in_tree == compiled.in_tree and loaded.out_tree == compiled.out_tree
+assert loaded.input_shardings == compiled.input_shardings
+assert loaded.output_shardings == compiled.output_shardings
+x = jax.device_put(jnp.arange(32.0).reshape(8, 4), batch)
+s = lambda: jax.device_put(jnp.ones((8, 4)), state)
+want, got = compiled(s(), x, jnp.zeros(3, jnp.int32)), loaded(s(), x, jnp.zeros(3, jnp.int32))
+assert jax.tree.all(jax.tree.map(lambda u, v: bool((u == v).all()), want, got))
+assert got[1]["w"].sharding == want[1]["w"].sharding
+print("same")
+"""
+
+
+def test_a_sharded_program_is_rebuilt_as_it_was_compiled(tmp_path):
+  """On a mesh of four (host) devices: every part of the executable JAX
+  builds around XLA's bytes (shardings, layouts, avals, kept arguments) is
+  rebuilt equal, from the header and this run's trace, and computes the
+  same in the same layout."""
+  (tmp_path / "ex").mkdir(mode=0o700)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                      os.environ.get("PYTHONPATH")])))
+  done = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path / "ex")], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
+
+
+# ------------------------------------------------------------ the folder
+
+def test_a_group_writable_folder_is_refused(tmp_path, monkeypatch, caplog):
+  directory = tmp_path / "executables"
+  directory.mkdir(mode=0o700)
+  aot.compile_programs([_program(directory, scale=16.0)])
+  saved = (directory / "k1.bin").read_bytes()
+  directory.chmod(0o770)
+  counter = CompileCounter(monkeypatch)
+  program = _program(directory, scale=16.0)
+  aot.compile_programs([program])
+  assert counter.calls == 1 and "load" not in program.times
+  assert caplog.text.count("can be written by its group or others") == 1
+  assert (directory / "k1.bin").read_bytes() == saved           # nothing saved there
+  # The cache folder above it counts too.
+  directory.chmod(0o700)
+  tmp_path.chmod(0o757)
+  try:
+    caplog.clear()
+    config = config_lib.pretrain_config()
+    monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    assert executables.cache_dir(config, "gpu") is None
+    assert "can be written by its group or others" in caplog.text
+  finally:
+    tmp_path.chmod(0o700)
+
+
+def test_a_folder_of_another_user_is_refused(tmp_path, monkeypatch, caplog):
+  """A folder that another user made (mkdir's exist_ok would take it) is
+  refused, and nothing in it is read."""
+  directory = tmp_path / "executables"
+  directory.mkdir(mode=0o700)
+  aot.compile_programs([_program(directory, scale=17.0)])
+  real = os.getuid()
+  monkeypatch.setattr(os, "getuid", lambda: real + 1)
+  counter = CompileCounter(monkeypatch)
+  program = _program(directory, scale=17.0)
+  aot.compile_programs([program])
+  assert counter.calls == 1 and "load" not in program.times
+  assert caplog.text.count("belongs to another user") == 1
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "other"))
+  assert executables.cache_dir(config_lib.pretrain_config(), "gpu") is None
+
+
+def test_the_folder_is_created_for_its_user_alone(tmp_path, monkeypatch):
+  monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+  directory = executables.cache_dir(config_lib.pretrain_config(), "gpu")
+  assert directory == tmp_path / "cache" / "executables"
+  assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+  assert stat.S_IMODE(directory.parent.stat().st_mode) == 0o700
+
+
+# ------------------------------------------------------------ the key
+
+def test_the_key_changes_with_xla_flags_and_lowering_options(tmp_path, monkeypatch):
+  """The same program under other XLA flags or JAX lowering options is
+  filed under another name: the other run's file is never loaded."""
+  c = config_lib.pretrain_config()
+  monkeypatch.setattr(executables, "code_digest", lambda: "this code")  # flags alone change
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  base = executables.path_for(tmp_path, c, _mesh(), "train step")
+  assert executables.path_for(tmp_path, c, _mesh(), "train step") == base
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1")
+  assert executables.path_for(tmp_path, c, _mesh(), "train step") != base
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+  assert executables.path_for(tmp_path, c, _mesh(), "train step") != base
+  monkeypatch.delenv("LIBTPU_INIT_ARGS")
+  with jax.default_matmul_precision("highest"):
+    assert executables.path_for(tmp_path, c, _mesh(), "train step") != base
+  with jax.enable_x64(True) if hasattr(jax, "enable_x64") else jax.experimental.enable_x64():
+    assert executables.path_for(tmp_path, c, _mesh(), "train step") != base
+  assert executables.path_for(tmp_path, c, _mesh(), "train step") == base
+
+
+def test_a_program_saved_under_other_xla_flags_is_not_loaded(tmp_path, monkeypatch):
+  config = config_lib.pretrain_config()
+  monkeypatch.setattr(executables, "code_digest", lambda: "this code")  # flags alone change
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  counter = CompileCounter(monkeypatch)
+
+  def program():
+    p = _program(tmp_path, scale=18.0)
+    p.path = executables.path_for(tmp_path, config, _mesh(), "small step")
+    return p
+
+  aot.compile_programs([program()])
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                     "--xla_cpu_use_thunk_runtime=true")
+  other = program()
+  aot.compile_programs([other])
+  assert counter.calls == 2 and "load" not in other.times
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  again = program()
+  aot.compile_programs([again])
+  assert counter.calls == 2 and "load" in again.times
+
+
+# ------------------------------------------------------------ a signal
+
+@pytest.mark.parametrize("signal,scale", [(interrupts.Terminated, 19.0),
+                                          (KeyboardInterrupt, 20.0)])
+def test_a_signal_in_a_loaded_programs_first_call_passes_and_keeps_the_file(tmp_path, signal,
+                                                                            scale):
+  aot.compile_programs([_program(tmp_path, scale=scale)])
+  loaded = _program(tmp_path, scale=scale)
+  aot.compile_programs([loaded])
+  assert isinstance(loaded.compiled, executables.FirstCall)
+
+  def interrupted(*args):
+    raise signal("stopped")
+
+  real, loaded.compiled._compiled = loaded.compiled._compiled, interrupted
+  with pytest.raises(signal):
+    loaded.compiled(jnp.zeros(()), jnp.ones((4, 3)))
+  assert (tmp_path / "k1.bin").exists()
+  loaded.compiled._compiled = real                    # still its first call: runs, kept
+  assert float(loaded.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 12 * scale
+  assert (tmp_path / "k1.bin").exists()

@@ -404,8 +404,8 @@ class Program:
   calling thread, then compiled beside the others (:func:`compile_programs`);
   ``path``, where given, is the file its executable is saved as, which a
   rerun loads instead (train/executables.py): named before tracing, so that
-  the load runs while the program is traced, and used only where the
-  trace's jaxpr is the one saved with it. ``times``: the seconds of
+  the file is read while the program is traced, and deserialized only where
+  the trace's jaxpr is the one saved with it. ``times``: the seconds of
   ``trace``, ``lower``, ``compile`` or ``load``."""
   name: str
   jitted: Callable
@@ -417,7 +417,8 @@ class Program:
   info: dict = dataclasses.field(default_factory=dict)   # saved with the executable
   times: dict = dataclasses.field(default_factory=dict)
   refused: CompilerOutOfMemory | None = None   # XLA's refusal for want of memory
-  saved_jaxpr: str = ""         # the loaded executable's program (its jaxpr's digest)
+  saved_jaxpr: str = ""         # the saved program's jaxpr's digest
+  saved: object = None          # its file as read (executables.Saved), not deserialized
 
   def trace(self) -> None:
     t0 = time.perf_counter()
@@ -429,24 +430,24 @@ class Program:
     return self.path is not None and self.path.exists()
 
   def load(self) -> bool:
-    """Loads the saved executable; False where there is none or it does not
-    load (then it is to be lowered and compiled). Whether it is this
-    program, :meth:`loaded_matches` tells once the program is traced."""
+    """Reads the saved program's file (its header and bytes; nothing is
+    deserialized); False where there is none or it is not a saved program
+    (then it is to be lowered and compiled). Whether it is this program,
+    :meth:`loaded_matches` tells once the program is traced, and only then
+    does :meth:`deserialize` make it an executable."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     if not self.find_saved():
       return False
     t0 = time.perf_counter()
-    loaded = executables.load(self.path)
-    if loaded is None:
+    saved = executables.read(self.path)
+    if saved is None:
       return False
-    self.compiled, info = loaded
-    self.saved_jaxpr = info.pop(executables.JAXPR_KEY, "")
-    self.info = info
+    self.saved, self.saved_jaxpr = saved, saved.jaxpr
     self.times["load"] = time.perf_counter() - t0
     return True
 
   def loaded_matches(self) -> bool:
-    """Whether the loaded executable was compiled from this trace's program;
+    """Whether the saved program was compiled from this trace's program;
     where not (code outside the key changed it), it is dropped, with one
     log line, for the caller to lower and compile."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
@@ -454,9 +455,27 @@ class Program:
       return True
     logging.warning("the saved %s (%s) was compiled from another program than this "
                     "run's; compiling it instead", self.name, self.path)
-    self.compiled, self.saved_jaxpr = None, ""
-    self.times.pop("load", None)
+    self._drop_saved()
     return False
+
+  def deserialize(self) -> bool:
+    """Makes the saved program read by :meth:`load`, whose jaxpr
+    :meth:`loaded_matches` checked, this program's executable; False where
+    it does not load (then it is to be lowered and compiled)."""
+    from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
+    t0 = time.perf_counter()
+    loaded = executables.deserialize(self.saved, self.traced)
+    if loaded is None:
+      self._drop_saved()
+      return False
+    self.compiled, self.info = loaded
+    self.saved = None
+    self.times["load"] += time.perf_counter() - t0
+    return True
+
+  def _drop_saved(self) -> None:
+    self.compiled, self.saved, self.saved_jaxpr = None, None, ""
+    self.times.pop("load", None)
 
   def lower(self) -> None:
     t0 = time.perf_counter()
@@ -545,15 +564,17 @@ def compile_threads(num_programs: int) -> int:
 def compile_programs(programs: list[Program], *, after: Callable | None = None,
                      defer_saves: bool = False) -> DeferredSaves | None:
   """Every one of ``programs``, in order (the train step first): where a run
-  saved it, its load is handed at once to a thread pool of
-  :func:`compile_threads` (XLA's work, outside the GIL) and runs while this
-  thread traces it; otherwise it is traced and lowered in this thread
-  (Python work, under the GIL) and handed to the pool to compile while this
-  thread goes on to the next program. So the first program compiles while
-  the others are still being lowered, and a warm start waits for its
-  traces or its slowest load, not for their sum. A saved program that does
-  not load, or was compiled from another jaxpr than this trace's, is
-  lowered and compiled after the others.
+  saved it, its file is read in a thread while this thread traces it, and
+  once the trace's jaxpr is the one saved with it (checked before anything
+  is deserialized) its deserialization is handed to a thread pool of
+  :func:`compile_threads` (XLA's work, outside the GIL); otherwise it is
+  traced and lowered in this thread (Python work, under the GIL) and handed
+  to the pool to compile while this thread goes on to the next program. So
+  the first program compiles or loads while the others are still being
+  traced, and a warm start waits for its traces and its last load, not for
+  their sum. A saved program compiled from another jaxpr than this trace's
+  is lowered and compiled at once; one that does not deserialize, after
+  the others.
 
   ``defer_saves``: what compiled is saved by a :class:`DeferredSaves`,
   returned (None where nothing is to be saved), instead of here; the
@@ -567,29 +588,33 @@ def compile_programs(programs: list[Program], *, after: Callable | None = None,
   program, and one for them all."""
   t0 = time.perf_counter()
   threads = compile_threads(len(programs))
-  with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-    futures = {}
+  # Files are read in a thread of their own: a read queued behind a compile
+  # would hold this thread's next trace until that compile ends.
+  with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool, \
+       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read") as reader:
+    futures, reads = {}, []
     try:
       for program in programs:
-        loading = program.find_saved()
-        if loading:
-          futures[pool.submit(program.load)] = program
+        reading = reader.submit(program.load) if program.find_saved() else None
+        reads.append(reading)
         program.trace()
-        if not loading:
+        # Nothing saved is deserialized before this trace's jaxpr matches it.
+        if reading is not None and reading.result() and program.loaded_matches():
+          futures[pool.submit(program.deserialize)] = program
+        else:
           program.lower()
           futures[pool.submit(program.compile)] = program
       unloaded = []
       for future in concurrent.futures.as_completed(futures):
         program = futures[future]
-        if future.result() is False or ("load" in program.times
-                                        and not program.loaded_matches()):
-          unloaded.append(program)        # only a load returns False
+        if future.result() is False:
+          unloaded.append(program)        # only a deserialize returns False
       for program in unloaded:
         program.lower()
       for future in [pool.submit(program.compile) for program in unloaded]:
         future.result()
     except BaseException:
-      for future in futures:
+      for future in [*futures, *filter(None, reads)]:
         future.cancel()
       raise
   for program in programs:
