@@ -52,8 +52,8 @@ needs numpy (+ PIL for image_folder, scikit-learn for digits). Nothing is
 downloaded at run time.
 """
 
-from darl_jax.data.base import AUGMENTS, SPLITS, Batch, DataSource
+from darl_jax.data.base import AUGMENTS, SPLITS, Batch, DataSource, check_labels
 from darl_jax.data.registry import SOURCES, build_source
 
 __all__ = ["AUGMENTS", "SPLITS", "SOURCES", "Batch", "DataSource",
-           "build_source"]
+           "build_source", "check_labels"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from absl import logging
@@ -318,10 +318,47 @@ class DataSource(abc.ABC):
     processes (-1: automatic); the others ignore it.
     """
 
+  # True for sources that list every label up front (indexed.py), which
+  # ``first_label_outside`` then looks at; the others' labels come with
+  # each record, and only their class count is known before reading.
+  labels_listed = False
+
+  def first_label_outside(self, num_classes: int) -> Optional[tuple[str, int]]:
+    """(name, label) of the first example whose label is not in [0,
+    ``num_classes``), or None (always, for sources that do not list their
+    labels)."""
+    del num_classes
+    return None
+
   def __repr__(self) -> str:
     return (f"{type(self).__name__}(image_shape={self.image_shape}, "
             f"num_classes={self.num_classes}, "
             f"num_examples={self.num_examples})")
+
+
+def check_labels(source: DataSource, num_classes: int, split: str) -> None:
+  """One error line, naming the example and the fix, unless every label of
+  ``source`` (the split ``split``, which a classifier of the training split's
+  ``num_classes`` classes is scored on) is one of those classes: a label at
+  or above the count, or negative, would be scored against no class at all
+  (a one-hot of zeros), and an unlabeled split against label 0, silently."""
+  if source.num_classes <= 0:
+    raise ValueError(f"the {split!r} split has no labels (or some of its examples have none), "
+                     f"so a classifier of {num_classes} classes cannot be scored on it: label "
+                     f"every example of it, or set data.eval_split / data.eval_path to a "
+                     f"labelled split")
+  if not source.labels_listed and source.num_classes > num_classes:
+    raise ValueError(f"the {split!r} split has {source.num_classes} classes and the training "
+                     f"split {num_classes}: set data.num_classes to at least "
+                     f"{source.num_classes} so that every split has the same classes")
+  found = source.first_label_outside(num_classes)
+  if found is not None:
+    name, label = found
+    fix = (f"set data.num_classes to at least {label + 1} so that every split has the same "
+           f"classes, or fix or leave out that example" if label >= 0
+           else "fix or leave out that example")
+    raise ValueError(f"{split!r} example {name} has the label {label}, not one of the "
+                     f"{num_classes} classes 0-{num_classes - 1} of the training split: {fix}")
 
 
 class CallAt:

@@ -10,8 +10,9 @@ decoding, random-resized crop and flip for training, central crop for eval),
 so the same images give the same pixels whatever file holds them.
 
 A record that cannot be read or decoded (a truncated member, bytes that are
-no image) is logged once per process and replaced by the next readable
-example, as image folders do; the count of bad records met so far is in the
+no image) is named in the log (once per process) and replaced by the next
+readable example, image and label, as image folders do
+(`indexed.DecodedSource`); the count of bad records met so far is in the
 log line.
 
 Files and processes (``data.process_files``): with "own" (the default) and
@@ -34,7 +35,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import hashlib
 import io
 from typing import Any, Optional, Sequence
 
@@ -44,22 +44,19 @@ from absl import logging
 from darl_jax.data import augment as aug
 from darl_jax.data import image_folder, shards
 from darl_jax.data.base import cfg_get, gather_ints, this_process, warn_once
-from darl_jax.data.indexed import IndexedSource
+from darl_jax.data.indexed import DecodedSource
 
 
-class EncodedSource(IndexedSource):
+class EncodedSource(DecodedSource):
   """Example i's image is ``_read(i)`` (encoded bytes), its label ``labels[i]``."""
-
-  decodes_files = True
 
   def __init__(self, *, labels: np.ndarray, num_classes: int, names: Sequence[str],
                image_size: int, channels: int, augment: str, seed: int,
                crop_scale=aug.CROP_SCALE, what: str = "record"):
     super().__init__(labels=labels, num_classes=num_classes, image_size=image_size,
                      channels=channels, augment=augment, seed=seed, crop_scale=crop_scale)
-    self.names = list(names)      # for messages: "shard.tar:key", "file.parquet:row"
+    self.names = list(names)      # for messages: "shard.tar/key", "file.parquet:row"
     self.what = what
-    self._bad: dict[int, str] = {}   # this process's: example -> error
 
   @abc.abstractmethod
   def _read(self, index: int) -> bytes:
@@ -69,24 +66,8 @@ class EncodedSource(IndexedSource):
     return image_folder.decode_crop(io.BytesIO(self._read(index)), u, self.image_shape,
                                     crop_scale=self.crop_scale)
 
-  def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
-    for offset in range(self.size):
-      i = (index + offset) % self.size
-      if i in self._bad:
-        continue
-      try:
-        return self._decode(i, u)
-      except Exception as e:  # pylint: disable=broad-except  # PIL, tarfile, pyarrow raise many kinds
-        self._bad[i] = f"{type(e).__name__}: {e}"
-        logging.warning("unreadable %s %s (%s): using the next readable example instead; "
-                        "%d unreadable %s(s) met so far in this process", self.what,
-                        self.names[i], self._bad[i], len(self._bad), self.what)
-    raise ValueError(f"no {self.what} of this split can be read; e.g. "
-                     f"{self.names[next(iter(self._bad))]}: {next(iter(self._bad.values()))}")
-
-  def _load(self, indices, positions):
-    us = aug.crop_uniforms(self.seed, positions, len(indices))
-    return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
+  def example_name(self, index: int) -> str:
+    return self.names[index]
 
 
 def hash_split(keys: Sequence[str], split: str, val_split_size: Optional[int],
@@ -107,7 +88,7 @@ def hash_split(keys: Sequence[str], split: str, val_split_size: Optional[int],
               "out %d (%.0f%%) for validation instead (or set data.eval_path)", v, n, where,
               default, 100 * image_folder.DEFAULT_VAL_FRACTION)
     v = default
-  order = sorted(range(n), key=lambda i: hashlib.sha1(keys[i].encode()).hexdigest())
+  order = sorted(range(n), key=lambda i: image_folder.name_hash(keys[i]))
   chosen = order[:v] if split == "validation" else order[v:]
   return np.asarray(sorted(chosen), np.int64)
 
@@ -124,6 +105,25 @@ def split_files(config: Any, split: str, what: str) -> tuple[str, list[str], boo
   if split != "train" and eval_path:
     return eval_path, shards.expand(eval_path, "data.eval_path"), False
   return path, shards.expand(path, "data.path"), split != "train" or not eval_path
+
+
+# Labels are int32 (base.Batch); a value beyond is no class.
+MAX_LABEL = 2 ** 31 - 1
+
+
+def integer_labels(values, where: str) -> np.ndarray:
+  """int64 labels of a label column, -1 where one is missing (null, NaN);
+  one error naming ``where`` and the row of the first value that is no
+  integer class (infinite, a fraction, beyond int32), never a value cast
+  into another class."""
+  x = np.asarray(values, np.float64)
+  with np.errstate(invalid="ignore"):
+    bad = ~np.isnan(x) & (~np.isfinite(x) | (x != np.round(x)) | (np.abs(x) > MAX_LABEL))
+  if bad.any():
+    i = int(np.argmax(bad))
+    raise ValueError(f"{where}: row {i} has the label {x[i]:g}, not an integer class: "
+                     f"fix it, or set data.label_column to the column of class labels")
+  return np.nan_to_num(x, nan=-1).astype(np.int64)
 
 
 def num_classes_of(config: Any, found: int, has_labels: bool) -> int:
@@ -206,9 +206,14 @@ def select(config: Any, split: str, *, kind: str, pattern: str, hashed: bool,
     rows = hash_split(keys, split, cfg_get(config, "val_split_size", None), pattern)
   if owner is not None:
     rows = rows[np.asarray(file_ids)[rows] % owner[1] == owner[0]]
-  raw = np.asarray(labels, np.int64)[rows]
+  listed = np.asarray(labels, np.int64)
+  raw = listed[rows]
   missing = int((raw < 0).sum())
-  found = int(raw.max()) + 1 if len(raw) else 0
+  # A hash split counts the classes of the whole listing, so that its two
+  # splits agree (a class whose every example fell in validation is one of
+  # the training split's classes too).
+  counted = listed if hashed else raw
+  found = int(counted.max()) + 1 if len(counted) else 0
   counts = None
   if owner is not None and gather:   # what the processes' own files hold together
     everyone = gather_ints([len(rows), missing, found], owner[1])

@@ -148,7 +148,7 @@ def _labels(ds, label_column: str, explicit: bool, where: str):
   if not np.issubdtype(values.dtype, np.number):
     raise ValueError(f"{where}: label column {label_column!r} holds {feature}, not integer "
                      f"labels; set data.label_column")
-  values = np.nan_to_num(values.astype(np.float64), nan=-1).astype(np.int64)
+  values = encoded.integer_labels(values, f"{where}: label column {label_column!r}")
   return values, classes
 
 

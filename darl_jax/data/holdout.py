@@ -69,6 +69,9 @@ class Rows(indexed.IndexedSource):
   def _examples(self, indices, positions):
     return self.parent._examples(self.rows[indices], positions)  # pylint: disable=protected-access
 
+  def example_name(self, index: int) -> str:
+    return self.parent.example_name(int(self.rows[index]))
+
 
 def split(source, size: int) -> tuple[indexed.IndexedSource, indexed.IndexedSource]:
   """``(train, held_out)``: disjoint row sets of ``source`` (module docstring)."""

@@ -26,8 +26,11 @@ smallest DCT scale that still gives the crop full resolution
 (``reduced_decode``); multi-frame files give their first frame. Files are
 decoded on demand, in the pipeline's worker processes (pipeline.py);
 batching follows `indexed.IndexedSource`. A file that cannot be decoded
-(truncated, not an image) is logged once and replaced by the next readable
-example, so it never stops a run.
+(truncated, not an image) is named in the log and replaced by the next
+readable example, image and label (`indexed.DecodedSource`), so it never
+stops a run. Pixels of 16-bit, 32-bit, float, palette, transparent, CMYK
+and 1-bit images are brought to 8 bits by ``eight_bit``, which every
+source that decodes images with PIL shares.
 """
 
 from __future__ import annotations
@@ -38,11 +41,10 @@ import os
 from typing import Any, Optional
 
 import numpy as np
-from absl import logging
 
 from darl_jax.data import augment as aug
 from darl_jax.data.base import DataSource, cfg_get, warn_once
-from darl_jax.data.indexed import IndexedSource
+from darl_jax.data.indexed import DecodedSource
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".tif", ".tiff", ".webp", ".bmp")
 SPLIT_DIRS = {"train": ("train",), "validation": ("validation", "val"),
@@ -78,8 +80,25 @@ def _split_folders(root: str) -> dict[str, str]:
   return out
 
 
+def name_bytes(name: str) -> bytes:
+  """The bytes of a file or member name: a UTF-8 name's UTF-8 bytes, and a
+  name that is not valid UTF-8 (read with surrogate escapes from the file
+  system or a tar header) its original bytes, as ``os.fsencode`` gives them
+  on a UTF-8 system but whatever the locale, so that hashes of UTF-8 names
+  stay what ``str.encode()`` gave."""
+  try:
+    return name.encode("utf-8", "surrogateescape")
+  except UnicodeEncodeError:     # a lone surrogate that escapes no byte
+    return name.encode("utf-8", "surrogatepass")
+
+
+def name_hash(name: str) -> str:
+  """SHA-1 (hex) of ``name``'s bytes (``name_bytes``): the order of hash splits."""
+  return hashlib.sha1(name_bytes(name)).hexdigest()
+
+
 def _hash_key(relpath: str) -> str:
-  return hashlib.sha1(relpath.replace(os.sep, "/").encode()).hexdigest()
+  return name_hash(relpath.replace(os.sep, "/"))
 
 
 def resolve_files(root: str, split: str,
@@ -139,10 +158,10 @@ def class_names(file_lists: list[list[str]]) -> list[str]:
   return sorted(names)
 
 
-class ImageFolderSource(IndexedSource):
+class ImageFolderSource(DecodedSource):
   """Images decoded from files on demand (see the module docstring)."""
 
-  decodes_files = True
+  what = "image"
 
   def __init__(self, base: str, files: list[str], classes: list[str], *,
                image_size: int, channels: int, augment: str, seed: int,
@@ -155,32 +174,12 @@ class ImageFolderSource(IndexedSource):
                      crop_scale=crop_scale)
     self.paths = [os.path.join(base, f) for f in files]
     self.class_names = list(classes)
-    self._unreadable: dict[str, str] = {}   # this process's: path -> error
 
-  def _load_one(self, path: str, u: Optional[np.ndarray]) -> np.ndarray:
-    return decode_crop(path, u, self.image_shape, crop_scale=self.crop_scale)
+  def _decode(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
+    return decode_crop(self.paths[index], u, self.image_shape, crop_scale=self.crop_scale)
 
-  def _load_or_substitute(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
-    """Example ``index``'s image; an unreadable file is logged once (per
-    process) and replaced by the next readable example of the split, so a
-    damaged file costs one duplicate image, never the run."""
-    for offset in range(self.num_examples):
-      path = self.paths[(index + offset) % self.num_examples]
-      if path in self._unreadable:
-        continue
-      try:
-        return self._load_one(path, u)
-      except Exception as e:  # pylint: disable=broad-except  # PIL raises many kinds
-        self._unreadable[path] = f"{type(e).__name__}: {e}"
-        logging.warning("unreadable image %s (%s): using the next readable example "
-                        "instead; %d unreadable file(s) met so far in this process",
-                        path, self._unreadable[path], len(self._unreadable))
-    raise ValueError(f"no image under {os.path.dirname(self.paths[0])} can be read; "
-                     f"e.g. {next(iter(self._unreadable.items()))}")
-
-  def _load(self, indices, positions):
-    us = aug.crop_uniforms(self.seed, positions, len(indices))
-    return np.stack([self._load_or_substitute(int(i), u) for i, u in zip(indices, us)])
+  def example_name(self, index: int) -> str:
+    return self.paths[index]
 
 
 def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float = 1.0,
@@ -188,7 +187,8 @@ def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float
   """Decodes an image file (a path or a file object) and crops it: the
   random-resized crop (area ``crop_scale``) and flip of the uniforms ``u``, or (``u`` None) the
   central square of side ``crop_fraction * min(h, w)``; resized to
-  ``image_shape`` (bilinear, antialiased), uint8 ``[S, S, C]``."""
+  ``image_shape`` (bilinear, antialiased), uint8 ``[S, S, C]``. Pixels of
+  every mode are brought to 8 bits by ``eight_bit``."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
   size, _, channels = image_shape
   with Image.open(file) as img:
@@ -204,13 +204,65 @@ def decode_crop(file, u: Optional[np.ndarray], image_shape, crop_fraction: float
     img = reduced_decode(img, box, size)
     sx, sy = img.size[0] / w, img.size[1] / h
     box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-    img = img.convert("RGB")  # normalises palette/alpha/16-bit modes
-    if channels == 1:
-      img = img.convert("L")  # ITU-R 601 luma, as augment.convert_channels
+    img = eight_bit(img, channels)
     img = img.resize((size, size), Image.BILINEAR, box=box)
     if flip:
       img = img.transpose(Image.FLIP_LEFT_RIGHT)
     return np.asarray(img, np.uint8).reshape(size, size, channels)
+
+
+# Where transparent pixels are composited: the white a viewer or a web page
+# shows them on, and never the colour a writer happened to leave under them.
+BACKGROUND = 255
+# The largest value of 16-bit samples, mapped to 255.
+MAX_16 = 65535
+
+
+def eight_bit(img, channels: int):
+  """A decoded PIL image of any mode as 8-bit "L" (``channels`` 1) or "RGB"
+  (3), every mode's full range mapped onto 0-255 rather than clipped into it:
+
+  - 16-bit greys ("I;16", "I;16B", "I;16L", ...): ``v * 255 / 65535``;
+  - 32-bit integers ("I"): the same when every value lies in 0-65535 (PNG,
+    TIFF and PGM readers give 16-bit greys this mode), otherwise the image's
+    own range, min to 0 and max to 255 (no fixed range fits integer data
+    beyond 16 bits, and clipping it would leave a flat image);
+  - floats ("F"): taken to be in [0, 1], the convention of image libraries
+    (scikit-image, torchvision) and of images written from normalised
+    arrays, so that one image's brightness keeps its meaning across a
+    dataset; values outside are clipped (logged once per process), NaN is 0;
+  - transparency (RGBA, LA, PA, a palette or a grey/RGB image with a
+    transparent colour): composited over white (``BACKGROUND``);
+  - palette, 1-bit, CMYK, YCbCr, LAB, HSV: PIL's conversion.
+
+  Colour to grey is ITU-R 601 luma, as ``augment.convert_channels``."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  mode = img.mode
+  if mode.startswith("I;16") or mode in ("I", "F"):
+    x = np.asarray(img, np.float64)
+    if mode == "F":
+      lo, hi = np.nanmin(x, initial=0.0), np.nanmax(x, initial=0.0)
+      if lo < 0 or hi > 1:
+        warn_once(("float range",), "a float image (mode F) holds values in [%g, %g]: "
+                  "float images are read as [0, 1] and clipped there; write them scaled "
+                  "to [0, 1] (or as 8/16-bit integers) to keep their range", lo, hi)
+      x = np.nan_to_num(np.clip(x, 0.0, 1.0), nan=0.0) * 255.0
+    elif mode == "I" and (x.min(initial=0) < 0 or x.max(initial=0) > MAX_16):
+      lo, hi = x.min(), x.max()
+      x = (x - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(x)
+    else:
+      x = x * (255.0 / MAX_16)
+    img = Image.fromarray(np.round(x).astype(np.uint8))
+  elif mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+      mode in ("P", "L", "RGB") and "transparency" in img.info):
+    rgba = img.convert("RGBA")
+    back = Image.new("RGBA", rgba.size, (BACKGROUND,) * 3 + (255,))
+    img = Image.alpha_composite(back, rgba).convert("RGB")
+  if img.mode not in ("L", "RGB"):
+    img = img.convert("RGB")
+  if channels == 1:
+    return img.convert("L") if img.mode == "RGB" else img
+  return img.convert("RGB") if img.mode == "L" else img
 
 
 def reduced_decode(img, box, size: int):

@@ -40,6 +40,7 @@ import abc
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+from absl import logging
 
 from darl_jax.data import augment as aug
 from darl_jax.data import pipeline
@@ -99,6 +100,19 @@ class IndexedSource(DataSource):
     # Worker processes read the streams built for them; they build none.
     state["regroup"] = None
     return state
+
+  def example_name(self, index: int) -> str:
+    """Example ``index`` in messages (sources of files name the file)."""
+    return str(index)
+
+  labels_listed = True
+
+  def first_label_outside(self, num_classes: int) -> Optional[tuple[str, int]]:
+    bad = (self.labels < 0) | (self.labels >= num_classes)
+    if not bad.any():
+      return None
+    i = int(np.argmax(bad))
+    return self.example_name(i), int(self.labels[i])
 
   @abc.abstractmethod
   def _load(self, indices: np.ndarray,
@@ -271,6 +285,60 @@ class IndexedSource(DataSource):
     return pad_batch(batch, local, self.image_shape)
 
 
+class DecodedSource(IndexedSource):
+  """Base for sources that decode each example from a file or record of its
+  own (image folders, encoded.py's tar, Parquet, ArrayRecord and Hugging
+  Face rows). An example that cannot be read or decoded (a truncated file,
+  bytes that are no image) is replaced as a whole, image and label, by the
+  next readable example of the split, so that no image is ever paired with
+  another's label: a damaged file costs one duplicate example, never the
+  run. Each bad example is named in one warning line (once per process),
+  with the count of bad examples met so far.
+
+  Subclasses implement ``_decode(index, u)``, and ``example_name(index)``
+  (the file, or the shard and member) for the messages."""
+
+  decodes_files = True
+  what = "example"      # what an example is called in messages
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self._bad: dict[int, str] = {}   # this process's: example -> error
+
+  @abc.abstractmethod
+  def _decode(self, index: int, u: Optional[np.ndarray]) -> np.ndarray:
+    """Example ``index``'s image, uint8 [H, W, C]: the crop of the uniforms
+    ``u`` (``augment.crop_uniforms``), or the eval crop when ``u`` is None."""
+
+  def _readable(self, index: int, u: Optional[np.ndarray]) -> tuple[np.ndarray, int]:
+    """(image, example it is of): example ``index``, or the next readable
+    example after it when it cannot be decoded."""
+    for offset in range(self.size):
+      i = (index + offset) % self.size
+      if i in self._bad:
+        continue
+      try:
+        return self._decode(i, u), i
+      except Exception as e:  # pylint: disable=broad-except  # PIL, tarfile, pyarrow: many kinds
+        self._bad[i] = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        logging.warning("unreadable %s %s (%s): the next readable example, image and label, "
+                        "is read in its place; %d unreadable %s(s) met so far in this process",
+                        self.what, self.example_name(i), self._bad[i], len(self._bad),
+                        self.what)
+    first = next(iter(self._bad))
+    raise ValueError(f"no {self.what} of this split can be read; e.g. "
+                     f"{self.example_name(first)}: {self._bad[first]}")
+
+  def _examples(self, indices, positions):
+    us = aug.crop_uniforms(self.seed, positions, len(indices))
+    found = [self._readable(int(i), u) for i, u in zip(indices, us)]
+    used = np.asarray([i for _, i in found], np.int64)
+    return np.stack([image for image, _ in found]), self.labels[used]
+
+  def _load(self, indices, positions):
+    return self._examples(indices, positions)[0]
+
+
 class ArraySource(IndexedSource):
   """A split held in memory as uint8 images [N, h, w, c] (native size)."""
 
@@ -288,6 +356,12 @@ class ArraySource(IndexedSource):
     # Kept at native resolution; resizing happens per batch (the resampler
     # is antialiased, so targets smaller than the source are fine too).
     self.images = images
+    found = self.first_label_outside(self.num_classes) if self.num_classes else None
+    if found is not None:
+      raise ValueError(f"example {found[0]} has the label {found[1]}, not one of the "
+                       f"{self.num_classes} classes 0-{self.num_classes - 1}: fix the labels"
+                       + (f", or give num_classes={found[1] + 1} or more" if found[1] > 0
+                          else ""))
 
   def _load(self, indices, positions):
     images = self.images[indices]

@@ -4,9 +4,11 @@ The format Hugging Face datasets publishes: a column of images, either a
 struct with a ``bytes`` field (``{"bytes": ..., "path": ...}``, HF's Image
 feature) or a plain binary column (``data.image_column``, default "image"),
 and optionally an integer label column (``data.label_column``, default
-"label"; a file without it is unlabeled). ``data.path`` / ``data.eval_path``
-are shard patterns as for tar shards (`shards.expand`: braces, globs,
-``gs://``); without ``eval_path`` validation is a hash split of ``path``.
+"label"; a file without it is unlabeled; a null or NaN is a missing label,
+and a value that is no integer class an error naming its file and row).
+``data.path`` / ``data.eval_path`` are shard patterns as for tar shards
+(`shards.expand`: braces, globs, ``gs://``); without ``eval_path``
+validation is a hash split of ``path``.
 
 Random access by row group: the files' footers give every row's (file, row
 group, row); labels are read up front (one small column); a worker reads a
@@ -187,7 +189,7 @@ def build(config: Any, *, split: str, seed: int, stream=None) -> ParquetSource:
     rows.append(np.concatenate([np.arange(s, dtype=np.int64) for s in sizes] or
                                [np.zeros(0, np.int64)]))
     labels.append(np.full(n, -1, np.int64) if file_labels is None else
-                  np.nan_to_num(np.asarray(file_labels, np.float64), nan=-1).astype(np.int64))
+                  encoded.integer_labels(file_labels, f"{path}: column {label_column!r}"))
     base = os.path.basename(path)
     keys += [f"{base}:{i}" for i in range(n)]
   file_ids, groups, rows, labels = map(np.concatenate, (file_ids, groups, rows, labels))

@@ -109,7 +109,7 @@ def _stamp(shard: str) -> dict:
 
 
 def _cache_file(shard: str, cache_dir: str) -> str:
-  key = hashlib.sha1(shard.encode()).hexdigest()[:16]
+  key = hashlib.sha1(shard.encode("utf-8", "surrogateescape")).hexdigest()[:16]
   return os.path.join(os.path.expanduser(cache_dir),
                       f"{key}-{os.path.basename(shard)}{INDEX_SUFFIX}")
 

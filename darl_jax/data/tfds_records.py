@@ -42,6 +42,8 @@ class TfdsRecordSource(IndexedSource):
   """One split of a prepared TFDS dataset, read record by record."""
 
   decodes_files = True
+  # Labels are read with each record and checked there (``_examples``).
+  labels_listed = False
   PER_PROCESS = {"_records": lambda: None}   # the record reader, opened on first use
 
   def __init__(self, name: str, split: str, data_dir: Optional[str], *, num_examples: int,
@@ -75,7 +77,12 @@ class TfdsRecordSource(IndexedSource):
       images.append(image_folder.decode_crop(io.BytesIO(record["image"]), u,
                                              self.image_shape, self.crop_fraction,
                                              self.crop_scale))
-      labels.append(int(record.get("label", 0)))
+      label = int(record.get("label", 0))
+      if self.num_classes and not 0 <= label < self.num_classes:
+        raise ValueError(f"record {int(i)} of {self.name} {self.split} has the label {label}, "
+                         f"not one of its {self.num_classes} classes: prepare the dataset "
+                         f"again (tfds build {self.name})")
+      labels.append(label)
     return np.stack(images), np.asarray(labels, np.int32)
 
   def _load(self, indices, positions):

@@ -6,7 +6,9 @@ A shard is a plain tar file whose members are grouped into samples by key:
 under ``data.label_key``, default "label") or ``{key}.txt`` (an integer;
 any other text, a caption, is ignored) its label. As in WebDataset, the key
 is the member's path up to the first dot of its file name. Other members
-are ignored, with one warning per shard.
+are ignored, with one warning per shard. A label member holding a number
+that is no class (NaN, Infinity, a fraction, beyond int32) is an error that
+names its shard and member.
 
 ``data.path`` names the training shards: a pattern of `shards.expand`
 (brace ranges ``train-{000000..001023}.tar``, globs, ``gs://`` paths through
@@ -51,20 +53,38 @@ END_MARKER_BYTES = 2 * tarfile.BLOCKSIZE
 MAX_OPEN_SHARDS = 16
 
 
+class _Constant(str):
+  """NaN, Infinity or -Infinity in a JSON member, kept as its name: an error
+  where it stands for the label, and nothing elsewhere in the object."""
+
+
 def _parse_label(ext: str, raw: bytes, label_key: str) -> Optional[int]:
+  """The integer class of a label member, or None when it holds none (a
+  caption in .txt, text that is no JSON or number, a JSON object without
+  ``label_key``); ValueError for a number that is no class: NaN, Infinity
+  (rejected, never read as floats), a fraction, beyond int32."""
   text = raw.decode("utf-8", errors="replace").strip()
   if ext == "json":
     try:
-      value = json.loads(text)
-    except ValueError:
+      value = json.loads(text, parse_constant=_Constant)
+    except json.JSONDecodeError:
       return None
     if isinstance(value, dict):
       value = value.get(label_key)
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-  try:
-    return int(text)
-  except ValueError:
-    return None      # a caption in .txt, not a class
+    if isinstance(value, _Constant):
+      raise ValueError(f"{value} is not a class")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return None
+    if isinstance(value, float) and not value.is_integer():
+      raise ValueError(f"{value!r} is not an integer class")
+  else:
+    try:
+      value = int(text)
+    except ValueError:
+      return None      # a caption in .txt, not a class
+  if abs(value) > encoded.MAX_LABEL:
+    raise ValueError(f"{value!r} is beyond the int32 labels")
+  return int(value)
 
 
 def _end_marker(f, offset: int) -> bool:
@@ -109,7 +129,12 @@ def index_shard(shard: str, label_key: str = "label") -> dict:
           if ext in IMAGE_EXTENSIONS and not name.startswith("."):
             images.setdefault(key, (member.offset_data, member.size, ext))
           elif ext in LABEL_EXTENSIONS:
-            value = _parse_label(ext, tar.extractfile(member).read(), label_key)
+            try:
+              value = _parse_label(ext, tar.extractfile(member).read(), label_key)
+            except ValueError as e:
+              raise ValueError(f"tar shard {shard}: the label member {member.name} is bad "
+                               f"({e}): write an integer class there, or remove the "
+                               f"member") from None
             if value is not None and (key not in labels
                                       or label_rank[ext] < label_rank[labels[key][1]]):
               labels[key] = (value, ext)
