@@ -13,9 +13,26 @@ step listings never include a half-written checkpoint. A checkpoint can still be
 damaged after its commit (a disk error, a truncated copy, a file deleted by
 hand): ``restore_newest`` walks back from the newest step to the newest one
 that restores, and moves each damaged one aside to
-``<workdir>/checkpoints.damaged/<step>`` (kept for inspection, out of the way
-of keep-N and of later runs; delete it when done). Readers
-(``restore_params``) skip damaged steps the same way but never move anything.
+``<workdir>/checkpoints.damaged/<step>`` (numbered ``<step>.1``, ``<step>.2``,
+... when that name is taken: nothing there is ever overwritten; kept for
+inspection, out of the way of keep-N and of later runs; delete it when done).
+Readers (``restore_params``) skip damaged steps the same way but never move
+anything.
+
+Only definite damage moves a checkpoint (``read_failure``): a missing item or
+file (Orbax's "Item ... was not found", ``FileNotFoundError``, tensorstore's
+``NOT_FOUND``), a truncated file (``OUT_OF_RANGE``), a format or checksum
+error (``DATA_LOSS``), metadata that does not parse (``JSONDecodeError``) or
+is absent. A storage error that usually passes (an I/O error, a timeout, an
+HTTP 5xx or 429, tensorstore's ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` /
+``ABORTED``) is retried with backoff and then stops the run; a signal
+(``interrupts.Terminated`` and Ctrl-C are BaseExceptions) passes through;
+anything else stops the run too, the checkpoint left where it is: a good
+checkpoint moved aside would silently cost the steps since the previous one.
+
+A save that fails (``CheckpointWriteError``) names its cause first: no space
+left on the device, permission denied, a read-only file system, with the
+step, the folder, the state's size and the free space.
 
 The meta item holds the run's resolved config (``config``): every reader of a
 checkpoint (export, sampling, fine-tuning) takes the config from there, not
@@ -34,9 +51,14 @@ Two entry points:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
+import shutil
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -61,14 +83,34 @@ class CheckpointDamagedError(ValueError):
   """A checkpoint exists but cannot be read (truncated, zeroed or missing files)."""
 
 
+class CheckpointReadError(OSError):
+  """A checkpoint could not be read, and the error is not known damage (or a
+  storage error outlasted the retries: ``transient``): the run stops and
+  nothing is moved."""
+  transient = False
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written; the message puts the cause first."""
+
+
+class _Damaged(Exception):
+  """Definite damage found by Checkpointer.restore_newest: the step moves aside."""
+
+
 class StateMismatchError(ValueError):
   """The checkpoint's state tree does not fit the state this run builds."""
   meta: dict = {}         # the checkpoint's meta
 
 
+# tensorstore appends the whole spec of what it opened to its errors: kilobytes
+# of JSON that say nothing about the cause.
+_SPEC = re.compile(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", re.DOTALL)
+
+
 def _short(e: BaseException, limit: int = 240) -> str:
   """One line of an exception (tensorstore errors run to several lines)."""
-  text = " ".join(str(e).split()) or type(e).__name__
+  text = " ".join(_SPEC.sub("", str(e)).split()) or type(e).__name__
   text = f"{type(e).__name__}: {text}" if not isinstance(e, (ValueError, OSError)) else text
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -154,6 +196,158 @@ def drop_closed_loop_reports() -> None:
   sys.unraisablehook = hook
 
 
+# ------------------------------------------------------- what a failure means
+
+# tensorstore's errors are ValueErrors whose message starts with the status
+# code; Orbax reports a missing item as a KeyError.
+_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
+_TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED")
+_TRANSIENT_ERRNOS = frozenset({
+    errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE,
+    errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ENETDOWN,
+    errno.ENETUNREACH, errno.EHOSTUNREACH})
+_TRANSIENT_TEXT = re.compile(
+    r"HTTP response code: (5\d\d|429)|\b(503 Service Unavailable|429 Too Many Requests|"
+    r"Connection reset|timed out|Input/output error)\b", re.IGNORECASE)
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _chain(e: BaseException):
+  """``e`` and the exceptions it was raised from or while handling."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def _errno(e: BaseException) -> int | None:
+  if isinstance(e, OSError) and e.errno is not None:
+    return e.errno
+  found = _OS_ERROR_CODE.search(str(e))
+  return int(found.group(1)) if found else None
+
+
+def _status_code(e: BaseException) -> str:
+  return str(e).lstrip().split(":", 1)[0] if isinstance(e, ValueError) else ""
+
+
+def read_failure(e: BaseException) -> str | None:
+  """What an error while reading a checkpoint means: ``"transient"`` (a
+  storage error that usually passes: retry), ``"damage"`` (the checkpoint
+  itself is broken: move it aside) or None (not known: stop, move nothing).
+  A transient error anywhere in the chain wins: a file that could not be
+  read is not a file that is missing."""
+  chain = list(_chain(e))
+  for x in chain:
+    if (isinstance(x, (TimeoutError, ConnectionError)) or _errno(x) in _TRANSIENT_ERRNOS
+        or _status_code(x) in _TRANSIENT_CODES or _TRANSIENT_TEXT.search(str(x))):
+      return "transient"
+  for x in chain:
+    if (isinstance(x, (CheckpointDamagedError, FileNotFoundError, json.JSONDecodeError))
+        or _errno(x) == errno.ENOENT or _status_code(x) in _DAMAGE_CODES
+        or (isinstance(x, KeyError) and "was not found in the checkpoint" in str(x))):
+      return "damage"
+  return None
+
+
+_WRITE_CAUSES = {
+    errno.ENOSPC: ("no space left on device", "free space on that disk or pass a --workdir "
+                   "on a larger one (keep_checkpoints sets how many checkpoints it holds)"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within the quota or pass a --workdir "
+                   "elsewhere"),
+    errno.EROFS: ("read-only file system", "pass a --workdir on a writable file system"),
+    errno.EACCES: ("permission denied", "make the workdir writable for this user or pass "
+                   "another --workdir"),
+    errno.EPERM: ("operation not permitted", "make the workdir writable for this user or "
+                  "pass another --workdir"),
+}
+_WRITE_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+               "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES,
+               "Operation not permitted": errno.EPERM}
+
+
+def write_failure(e: BaseException) -> int | None:
+  """The errno of ``_WRITE_CAUSES`` behind a failed write, if any."""
+  for x in _chain(e):
+    code = _errno(x)
+    if code in _WRITE_CAUSES:
+      return code
+    for text, code in _WRITE_TEXT.items():
+      if text in str(x):
+        return code
+  return None
+
+
+def human_bytes(n: float) -> str:
+  units, i = ("B", "kB", "MB", "GB", "TB"), 0
+  while n >= 1000 and i < len(units) - 1:
+    n, i = n / 1000, i + 1
+  return f"{n:.0f} {units[i]}" if i == 0 or n >= 100 else f"{n:.1f} {units[i]}"
+
+
+def free_bytes(directory) -> int | None:
+  """Free space where ``directory`` is (or would be created); None for
+  remote paths (gs://...), whose quota no local call knows."""
+  path = str(directory)
+  if "://" in path:
+    return None
+  path = os.path.abspath(path)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  try:
+    return shutil.disk_usage(path).free
+  except OSError:
+    return None
+
+
+def state_bytes(state) -> int:
+  """The bytes of a state's arrays (global shapes; abstract ones too)."""
+  return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree_util.tree_leaves(state) if hasattr(x, "dtype")))
+
+
+def check_free_space(directory, nbytes: int, keep: int) -> None:
+  """Before a run's first step: room in ``directory`` (``<workdir>/checkpoints``,
+  local) for the checkpoints keep-N holds at its peak (``keep`` + the one being
+  written, less those already there) of ``nbytes`` each. Too little for all:
+  a warning with both numbers; not even one: CheckpointWriteError naming them
+  and the fix."""
+  free = free_bytes(directory)
+  if free is None or nbytes <= 0:
+    return
+  path = str(directory)
+  existing = (sum(1 for p in os.listdir(path) if p.isdigit()) if os.path.isdir(path) else 0)
+  needed = max(1, keep + 1 - existing) * nbytes
+  if free < nbytes:
+    raise CheckpointWriteError(
+        f"no space for a checkpoint in {path}: one takes about {human_bytes(nbytes)} and "
+        f"{human_bytes(free)} is free; free space on that disk or pass a --workdir on a "
+        "larger one")
+  if free < needed:
+    logging.warning(
+        "%s has %s free, less than the %s that keep_checkpoints=%d needs at its peak (%d "
+        "checkpoints of about %s, %d already there): a later save may fail for lack of "
+        "space", path, human_bytes(free), human_bytes(needed), keep,
+        max(1, keep + 1 - existing), human_bytes(nbytes), existing)
+
+
+def numbered(path) -> epath.Path:
+  """``path`` if nothing is there, else the first free ``<stem>.<n><suffix>``
+  (``7`` -> ``7.1``, ``metrics.jsonl`` -> ``metrics.1.jsonl``): what is kept
+  aside is never overwritten."""
+  path = epath.Path(path)
+  if not path.exists():
+    return path
+  stem, dot, suffix = path.name.partition(".")
+  n = 1
+  while True:
+    candidate = path.parent / f"{stem}.{n}{dot}{suffix}"
+    if not candidate.exists():
+      return candidate
+    n += 1
+
+
 def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
   dst.mkdir(parents=True, exist_ok=True)
   for p in src.iterdir():
@@ -192,6 +386,11 @@ def _copy_json(meta: dict) -> dict:
     raise TypeError(f"checkpoint meta is not JSON-serialisable: {e}") from e
 
 
+# A transient read error is retried after these waits, within the budget.
+READ_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
+READ_RETRY_BUDGET_S = 60.0
+
+
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` with a state + JSON-meta item.
 
@@ -206,6 +405,11 @@ class Checkpointer:
       ``wait()`` before reading the checkpoint from another process and
       ``close()`` at the end of training.
 
+    read_retry_delays: the seconds ``restore_newest`` waits before each retry
+      of a read that failed with a transient storage error (``read_failure``);
+      once they are used up, or ``READ_RETRY_BUDGET_S`` has passed since the
+      first failure, the error stops the run.
+
   Temporary directories of saves that never finished (a killed or preempted
   run) are removed when the Checkpointer is created. Only the training job
   should therefore construct a Checkpointer on a directory; readers
@@ -213,10 +417,13 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, max_to_keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True,
+               read_retry_delays: tuple[float, ...] = READ_RETRY_DELAYS_S):
     self._directory = absolute_path(directory)
     self._async = async_save
     self._closed = False
+    self._read_retry_delays = tuple(read_retry_delays)
+    self._in_flight: tuple[int, int] | None = None   # (step, bytes) of the save under way
     self.skipped_damaged: list[tuple[int, str]] = []   # (step, why) by restore_newest
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -259,8 +466,53 @@ class Checkpointer:
     Orbax's policy declined (a step not newer than the latest, unless
     ``force``).
     """
+    meta = _copy_json(meta)
     with interrupts.deferred():    # a save cut short would break Orbax's threads
-      return self._save(int(step), state, _copy_json(meta), force)
+      # Orbax waits for the previous save first: its failure is that save's.
+      self._finish_in_flight()
+      with self._writing(int(step), state_bytes(state)):
+        saved = self._save(int(step), state, meta, force)
+      if saved:
+        self._in_flight = (int(step), state_bytes(state))
+      return saved
+
+  @contextlib.contextmanager
+  def _writing(self, step: int, nbytes: int):
+    """Turns a failed write of ``step`` into a CheckpointWriteError whose
+    message starts with the cause (errors of unknown cause pass as raised)."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      error = self._write_error(step, nbytes, e)
+      if error is None:
+        raise
+      raise error from e
+
+  def _write_error(self, step: int, nbytes: int, e: BaseException) -> OSError | None:
+    if isinstance(e, CheckpointWriteError):
+      return None
+    code = write_failure(e)
+    if code is None:
+      return None
+    cause, fix = _WRITE_CAUSES[code]
+    free = free_bytes(self._directory)
+    size = f"about {human_bytes(nbytes)}" + (f"; {human_bytes(free)} free" if free is not None
+                                              else "")
+    error = CheckpointWriteError(f"{cause} writing the checkpoint of step {step} to "
+                                 f"{self._directory} ({size}): {fix}, then rerun the same "
+                                 "command to resume from the last complete checkpoint")
+    error.errno = code
+    return error
+
+  def _finish_in_flight(self) -> None:
+    """Waits for the save under way; its failure names its step."""
+    step, nbytes = self._in_flight or (None, 0)
+    if step is None:
+      self._manager.wait_until_finished()
+      return
+    with self._writing(step, nbytes):
+      self._manager.wait_until_finished()
+    self._in_flight = None
 
   def _save(self, step: int, state: Any, meta: dict, force: bool) -> bool:
     if step in self._manager.all_steps():
@@ -323,7 +575,7 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until any async save has been fully committed."""
     with interrupts.deferred():
-      self._manager.wait_until_finished()
+      self._finish_in_flight()
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's resources. Idempotent."""
@@ -331,7 +583,7 @@ class Checkpointer:
       return
     self._closed = True
     with interrupts.deferred():
-      self._manager.wait_until_finished()
+      self._finish_in_flight()
       self._manager.close()
 
   def tmp_dirs(self) -> list[epath.Path]:
@@ -349,21 +601,27 @@ class Checkpointer:
     if self._closed:
       return
     self._closed = True
+    # Called while another error ends the run: nothing here may replace that
+    # error (a full disk's clean-up fails too), so each failure is logged.
     try:
       with interrupts.deferred():
-        self._manager.wait_until_finished()
+        self._finish_in_flight()
     except BaseException as e:  # pylint: disable=broad-except
       logging.warning("the checkpoint save in flight failed (%s); removing it", _short(e))
     finally:
       try:
         self._manager.close()
-      except Exception:  # pylint: disable=broad-except
-        pass
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("closing the checkpoint manager failed: %s", _short(e))
       # Only the lock holder writes here, so every temporary directory is ours.
       if jax.process_index() == 0:
-        for tmp in self.tmp_dirs():
-          logging.warning("removing the unfinished checkpoint %s", tmp)
-          tmp.rmtree(missing_ok=True)
+        try:
+          for tmp in self.tmp_dirs():
+            logging.warning("removing the unfinished checkpoint %s", tmp)
+            tmp.rmtree(missing_ok=True)
+        except OSError as e:
+          logging.warning("could not remove an unfinished checkpoint (%s); the next run "
+                          "removes it", _short(e))
 
   def prune(self, keep: int) -> list[int]:
     """Deletes the oldest checkpoints beyond the newest ``keep``.
@@ -388,10 +646,7 @@ class Checkpointer:
     if jax.process_index() == 0:
       src = self._directory / str(step)
       target.parent.mkdir(parents=True, exist_ok=True)
-      n = 1
-      while target.exists():
-        target = self._directory.parent / DAMAGED_DIR / f"{step}.{n}"
-        n += 1
+      target = numbered(target)
       try:
         src.rename(target)
       except OSError:               # object stores rename files, not folders
@@ -404,6 +659,40 @@ class Checkpointer:
     self._manager.reload()
     return target
 
+  def _read(self, step: int, what: str, read: Callable[[], Any]) -> Any:
+    """``read()`` of checkpoint ``step``'s ``what``, retried after a transient
+    storage error (``read_failure``). Raises ``_Damaged`` for definite damage
+    and CheckpointReadError for the rest; a signal passes through."""
+    delays = list(self._read_retry_delays)
+    first_failure, attempts = None, 0
+    while True:
+      attempts += 1
+      try:
+        return read()
+      except Exception as e:  # pylint: disable=broad-except
+        kind = read_failure(e)
+        if kind == "damage":
+          raise _Damaged(f"its {what} cannot be read: {_short(e)}") from e
+        where = f"the {what} of the checkpoint at step {step} in {self._directory}"
+        if kind != "transient":
+          raise CheckpointReadError(
+              f"cannot read {where}: {_short(e)}. Not a known kind of damage, so it stays "
+              f"where it is: fix the cause and rerun, or move {self._directory / str(step)} "
+              f"into {self._directory.parent / DAMAGED_DIR} to resume from the checkpoint "
+              "before it") from e
+        first_failure = first_failure if first_failure is not None else time.monotonic()
+        spent = time.monotonic() - first_failure
+        if not delays or spent + delays[0] > READ_RETRY_BUDGET_S:
+          error = CheckpointReadError(
+              f"cannot read {where}: a storage error persisted over {attempts} attempts "
+              f"({spent:.0f} s): {_short(e)}. Nothing was moved; rerun the same command "
+              "once the storage answers")
+          error.transient = True
+          raise error from e
+        delay = delays.pop(0)
+        logging.warning("reading %s failed (%s); retrying in %g s", where, _short(e), delay)
+        time.sleep(delay)
+
   def restore_newest(self, abstract_state: Any, check_meta: Callable[[dict], None]
                      = lambda meta: None) -> tuple[int, Any, dict] | None:
     """``(step, state, meta)`` of the newest checkpoint that restores; None if
@@ -413,54 +702,62 @@ class Checkpointer:
     (Orbax metadata, None where it does not read) giving the abstract state
     to restore it as, for a run that reads an earlier layout of its state.
 
-    Walks back from the newest step. A checkpoint that cannot be read (its
-    meta, its state metadata or its arrays) is damaged: it is moved aside
-    (``_move_aside``), logged with the reason, and the previous one is tried.
-    What is not damage stops the walk: ``check_meta(meta)`` raising (the
+    Walks back from the newest step. A checkpoint with definite damage
+    (``read_failure``) in its meta, its state metadata or its arrays is
+    moved aside (``_move_aside``), logged with the reason, and the previous
+    one is tried. Everything else stops the walk and moves nothing: a signal
+    (it passes through), a storage error that outlasts the retries or one of
+    unknown kind (CheckpointReadError), ``check_meta(meta)`` raising (the
     config does not fit the checkpoint) and a state tree that differs from
     ``abstract_state`` (StateMismatchError naming the difference), since an
     older checkpoint of the same run would not fit either.
     """
     self._manager.wait_until_finished()
     skipped = self.skipped_damaged = []
-    for step in reversed(self.all_steps()):
-      try:
-        meta = self.restore_meta(step)
-      except Exception as e:  # pylint: disable=broad-except
-        skipped.append((step, f"its meta cannot be read: {_short(e)}"))
-        self._move_aside(step, skipped[-1][1])
-        continue
-      check_meta(meta)
-      try:
-        saved = self._manager.item_metadata(step)[STATE_ITEM]
-        saved = getattr(saved, "tree", saved)
-      except Exception:  # pylint: disable=broad-except
-        saved = None     # judged by the restore below
-      target = abstract_state(saved) if callable(abstract_state) else abstract_state
-      if saved is not None:
-        diff = state_difference(saved, target)
-        if diff:
-          error = StateMismatchError(
-              f"the checkpoint at step {step} in {self._directory} holds another "
-              f"training state than this config builds ({diff})")
-          error.meta = meta      # the caller names the config keys that changed
-          raise error
-      try:
-        state, meta = self.restore(step, target)
-      except Exception as e:  # pylint: disable=broad-except
-        skipped.append((step, f"its state cannot be read: {_short(e)}"))
-        self._move_aside(step, skipped[-1][1])
-        continue
+    try:
+      for step in reversed(self.all_steps()):
+        try:
+          restored = self._restore_one(step, abstract_state, check_meta)
+        except _Damaged as e:
+          skipped.append((step, str(e)))
+          self._move_aside(step, str(e))
+          continue
+        return (step, *restored)
+    finally:
       for s, why in skipped:
         logging.warning("skipped the damaged checkpoint at step %d (%s); moved to %s",
                         s, why, self._directory.parent / DAMAGED_DIR)
-      return step, state, meta
-    for s, why in skipped:
-      logging.warning("skipped the damaged checkpoint at step %d (%s); moved to %s",
-                      s, why, self._directory.parent / DAMAGED_DIR)
     if skipped:
       logging.warning("no checkpoint in %s restores: starting from step 0", self._directory)
     return None
+
+  def _restore_one(self, step: int, abstract_state: Any,
+                   check_meta: Callable[[dict], None]) -> tuple[Any, dict]:
+    """``(state, meta)`` of ``step`` for restore_newest; _Damaged if it is."""
+    meta = self._read(step, "meta", lambda: self.restore_meta(step))
+    check_meta(meta)
+    try:
+      saved = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
+      saved = saved[STATE_ITEM] if STATE_ITEM in saved else None
+      if saved is None:
+        raise _Damaged(f"its {STATE_ITEM}/ is missing or has no readable metadata "
+                       "(_METADATA)")
+      saved = getattr(saved, "tree", saved)
+    except CheckpointReadError as e:
+      if e.transient:
+        raise
+      saved = None     # a metadata layout this Orbax does not know: the restore judges
+    target = abstract_state(saved) if callable(abstract_state) else abstract_state
+    if saved is not None:
+      diff = state_difference(saved, target)
+      if diff:
+        error = StateMismatchError(
+            f"the checkpoint at step {step} in {self._directory} holds another "
+            f"training state than this config builds ({diff})")
+        error.meta = meta      # the caller names the config keys that changed
+        raise error
+    state, meta = self._read(step, "state", lambda: self.restore(step, target))
+    return state, meta
 
   def __enter__(self) -> "Checkpointer":
     return self

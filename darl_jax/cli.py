@@ -31,6 +31,7 @@ base name the fix, so nothing else is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -38,7 +39,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, NoReturn, Optional
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from darl_jax import interrupts
 
@@ -233,6 +234,25 @@ def report(e: BaseException, *, workdir: Optional[str] = None, failed: int = FAI
   fail(f"{type(e).__name__}: {one_line(e)[:500]}"
        + (f" (traceback in {where})" if where else ""),
        failed if unexpected is None else unexpected)
+
+
+class CleanupStack(contextlib.ExitStack):
+  """An ExitStack whose clean-up never hides the error that ended its block:
+  a clean-up that fails after it (a full disk fails the removal of the save
+  it cut short, and the last flush of the logs) is logged as a warning and
+  attached to that error as a note, and the first error is what is raised
+  and reported."""
+
+  def __exit__(self, exc_type, exc, tb):
+    try:
+      return super().__exit__(exc_type, exc, tb)
+    except BaseException as later:  # pylint: disable=broad-except
+      if exc is None or later is exc:
+        raise
+      text = f"{type(later).__name__}: {one_line(later)}"
+      logging.warning("clean-up after the error failed too: %s", text[:500])
+      exc.add_note(f"clean-up after it failed too: {text}")
+    raise exc
 
 
 def guarded(fn: Callable, *args, workdir: Optional[Callable[[], Optional[str]]] = None,

@@ -1,6 +1,8 @@
 """Tests for darl_jax.checkpoint (Orbax CheckpointManager wrapper)."""
 
+import errno
 import glob
+import json
 import os
 import pathlib
 import shutil
@@ -18,7 +20,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from darl_jax.checkpoint import (DAMAGED_DIR, CheckpointDamagedError, Checkpointer,
-                                 StateMismatchError, restore_params)
+                                 CheckpointReadError, CheckpointWriteError, StateMismatchError,
+                                 numbered, read_failure, restore_params)
 from xla_env import cpu_devices_flags
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -455,3 +458,166 @@ def test_an_error_during_an_async_save_leaves_the_previous_checkpoints(tmp_path)
   ckpt._manager.wait_until_finished = save_fails
   ckpt.finish_or_abandon()
   assert sorted(os.listdir(d)) == ["1", "2"]
+
+
+# ----------------------------- damage, interruption and transient errors
+
+
+def _read_fails(monkeypatch, ckpt, errors, step=3):
+  """``ckpt``'s reads of ``step``'s state raise ``errors`` one by one, then
+  read; returns the list of attempts."""
+  attempts = []
+  real = ckpt._manager.restore
+
+  def restore(s, *args, **kwargs):
+    if s == step and "state" in str(kwargs.get("args", args)):
+      attempts.append(s)
+      if errors:
+        raise errors.pop(0)
+    return real(s, *args, **kwargs)
+  monkeypatch.setattr(ckpt._manager, "restore", restore)
+  return attempts
+
+
+def test_a_signal_during_a_restore_moves_nothing(three_checkpoints, tmp_path, monkeypatch):
+  from darl_jax import interrupts
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  ckpt = Checkpointer(str(d))
+  _read_fails(monkeypatch, ckpt, [interrupts.Terminated(), KeyboardInterrupt()])
+  for signal_raised in (interrupts.Terminated, KeyboardInterrupt):
+    with pytest.raises(signal_raised):
+      ckpt.restore_newest(_abstract(_make_state(3)))
+    assert ckpt.all_steps() == [1, 2, 3] and not (tmp_path / DAMAGED_DIR).exists()
+  # Nor while the state's metadata is read, whose failure the restore then
+  # judges: a signal there is neither damage nor a reason to read on.
+  real = ckpt._manager.item_metadata
+
+  def item_metadata(step):
+    raise interrupts.Terminated()
+  monkeypatch.setattr(ckpt._manager, "item_metadata", item_metadata)
+  with pytest.raises(interrupts.Terminated):
+    ckpt.restore_newest(_abstract(_make_state(3)))
+  assert ckpt.all_steps() == [1, 2, 3] and not (tmp_path / DAMAGED_DIR).exists()
+  monkeypatch.setattr(ckpt._manager, "item_metadata", real)
+  ckpt.close()
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.EIO, "Input/output error"),
+    TimeoutError("read timed out"),
+    ValueError("UNAVAILABLE: Error reading \"state/d/x\": HTTP response code: 503 "
+               "[tensorstore_spec='{\"driver\": \"gcs\"}']"),
+])
+def test_a_transient_read_error_is_retried_then_stops_the_run_moving_nothing(
+    three_checkpoints, tmp_path, monkeypatch, caplog, error):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  ckpt = Checkpointer(str(d), read_retry_delays=(0.01, 0.01, 0.01))
+  # Fails twice, then reads: the newest checkpoint restores.
+  attempts = _read_fails(monkeypatch, ckpt, [error, error])
+  step, state, _ = ckpt.restore_newest(_abstract(_make_state(3)))
+  assert step == 3 and len(attempts) == 3 and "retrying in 0.01 s" in caplog.text
+  # Fails on every attempt: one error line, nothing moved.
+  ckpt = Checkpointer(str(d), read_retry_delays=(0.01, 0.01, 0.01))
+  _read_fails(monkeypatch, ckpt, [error] * 10)
+  with pytest.raises(CheckpointReadError, match=rf"cannot read the state of the checkpoint at "
+                     rf"step 3 in {d}: a storage error persisted over 4 attempts .*Nothing was "
+                     r"moved; rerun the same command once the storage answers") as e:
+    ckpt.restore_newest(_abstract(_make_state(3)))
+  assert "tensorstore_spec" not in str(e.value) and "\n" not in str(e.value)
+  assert ckpt.all_steps() == [1, 2, 3] and not (tmp_path / DAMAGED_DIR).exists()
+  ckpt.close()
+
+
+def test_an_unknown_read_error_is_not_damage(three_checkpoints, tmp_path, monkeypatch):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  ckpt = Checkpointer(str(d), read_retry_delays=(0.01,))
+  attempts = _read_fails(monkeypatch, ckpt, [RuntimeError("INTERNAL: out of host memory")])
+  with pytest.raises(CheckpointReadError, match=rf"cannot read the state of the checkpoint at "
+                     rf"step 3 in {d}: RuntimeError: INTERNAL: out of host memory. Not a known "
+                     rf"kind of damage, so it stays where it is: .* move {d}/3 into "
+                     rf"{tmp_path}/{DAMAGED_DIR} to resume"):
+    ckpt.restore_newest(_abstract(_make_state(3)))
+  assert attempts == [3] and ckpt.all_steps() == [1, 2, 3]
+  assert not (tmp_path / DAMAGED_DIR).exists()
+  ckpt.close()
+
+
+@pytest.mark.parametrize("error,kind", [
+    (KeyError('Item "meta" was not found in the checkpoint. Available items: []'), "damage"),
+    (ValueError("NOT_FOUND: Error opening \"zarr\" driver: Metadata at x does not exist"),
+     "damage"),
+    (ValueError("OUT_OF_RANGE: Requested byte range [0, 540) is not valid"), "damage"),
+    (ValueError("DATA_LOSS: Error decoding manifest: Expected to start with hex bytes"),
+     "damage"),
+    (json.JSONDecodeError("Expecting value", "", 0), "damage"),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory"), "damage"),
+    (OSError(errno.EIO, "Input/output error"), "transient"),
+    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), "transient"),
+    (ValueError("DEADLINE_EXCEEDED: reading gs://b/x"), "transient"),
+    # A missing file behind an I/O error is not known to be missing.
+    (ValueError("NOT_FOUND: Error reading x: Input/output error [os_error_code='5']"),
+     "transient"),
+    (ValueError("RESOURCE_EXHAUSTED: out of memory"), None),
+    (ValueError("pytree structure error: different types at key path"), None),
+    (RuntimeError("something else"), None),
+])
+def test_read_failures_are_damage_only_when_definite(error, kind):
+  assert read_failure(error) == kind
+
+
+def test_damaged_copies_are_numbered_never_overwritten(three_checkpoints, tmp_path):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  for n in range(3):
+    if n:
+      shutil.copytree(three_checkpoints / "3", d / "3")
+    (d / "3" / "meta" / "metadata").write_text(f"damaged {n}")
+    ckpt = Checkpointer(str(d))
+    assert ckpt.restore_newest(_abstract(_make_state(2)))[0] == 2
+    ckpt.close()
+  kept = tmp_path / DAMAGED_DIR
+  assert sorted(os.listdir(kept)) == ["3", "3.1", "3.2"]
+  assert [(kept / name / "meta" / "metadata").read_text() for name in ("3", "3.1", "3.2")] \
+      == ["damaged 0", "damaged 1", "damaged 2"]
+  assert numbered(kept / "metrics.jsonl") == kept / "metrics.jsonl"
+  (kept / "metrics.jsonl").write_text("{}")
+  assert numbered(kept / "metrics.jsonl") == kept / "metrics.1.jsonl"
+
+
+# ------------------------------------------------------ failed writes
+
+
+@pytest.mark.parametrize("error,cause", [
+    (ValueError("RESOURCE_EXHAUSTED: Error writing \"w/0.0\" in OCDBT database: Failed to "
+                "write 1803991 bytes to file 9: No space left on device [os_error_code='28'] "
+                "[tensorstore_spec='{\"driver\": \"zarr\"}']"), "no space left on device"),
+    (OSError(errno.EROFS, "Read-only file system"), "read-only file system"),
+    (PermissionError(errno.EACCES, "Permission denied"), "permission denied"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
+])
+def test_an_async_save_that_fails_names_its_cause_step_and_size_first(tmp_path, error, cause):
+  d = tmp_path / "ck"
+  ckpt = Checkpointer(str(d), max_to_keep=3)
+  ckpt.save(1, {"w": jnp.ones((256, 256))}, {"step": 1})
+  ckpt.save(2, {"w": jnp.ones((256, 256))}, {"step": 2})
+  real_wait = ckpt._manager.wait_until_finished
+
+  def save_fails():
+    # What a save that fails in its background thread leaves: no commit.
+    real_wait()
+    if (d / "2").exists():
+      os.rename(d / "2", d / "2.orbax-checkpoint-tmp-1")
+      raise error
+  ckpt._manager.wait_until_finished = save_fails
+  # The failure of 2 surfaces at the next save (Orbax waits for the previous
+  # one first): it names step 2, not 3.
+  with pytest.raises(CheckpointWriteError) as e:
+    ckpt.save(3, {"w": jnp.ones((256, 256))}, {"step": 3})
+  assert str(e.value).startswith(f"{cause} writing the checkpoint of step 2 to {d} (about "
+                                 "262 kB; "), str(e.value)
+  assert " free): " in str(e.value) and "tensorstore_spec" not in str(e.value)
+  ckpt.finish_or_abandon()
+  assert sorted(os.listdir(d)) == ["1"]
