@@ -40,7 +40,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.tensorboard = True
   c.checkpoint_every_steps = 1000
   c.eval_every_steps = 1000      # 0: never
-  c.eval_max_batches = 0         # 0: the whole eval split
+  # The first eval_max_batches * batch_size examples of the eval split (batches
+  # of the training batch, whatever eval_batch_size is); 0: the whole split.
+  c.eval_max_batches = 0
   c.keep_checkpoints = 3
   c.stop_after_steps = 0         # > 0: leave after this many steps (checkpointed)
   # Preemption (darl_jax/preemption.py): SIGTERM and this signal, which a

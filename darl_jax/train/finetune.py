@@ -157,6 +157,7 @@ class FinetuneTrainer(loop.Trainer):
     if num_classes <= 1:
       raise ValueError(f"{cfg.data.name} has no class labels (num_classes={num_classes}); "
                        "classification needs a labelled dataset")
+    data_lib.check_labels(ctx.eval_source, num_classes, cfg.data.eval_split)
     if cfg.head.readout not in heads.READOUTS:
       raise ValueError(f"unknown head.readout {cfg.head.readout!r}; valid: "
                        f"{', '.join(heads.READOUTS)}")

@@ -209,6 +209,7 @@ class LinearProbeTrainer(loop.Trainer):
     loop.check_image_shape(cfg, ctx.train_source)
     if ctx.train_source.num_classes <= 1:
       raise ValueError(f"{cfg.data.name} has no class labels; a probe needs labels")
+    data_lib.check_labels(ctx.eval_source, ctx.train_source.num_classes, cfg.data.eval_split)
     if "^backbone/" not in list(cfg.optim.get("frozen") or []):
       logging.warning("optim.frozen lacks '^backbone/': the backbone gets no gradient "
                       "(stop_gradient) but weight decay would still move it")
@@ -492,6 +493,7 @@ class RidgeProbe:
                                              seed=config.seed)
     if self.train_source.num_classes <= 1:
       raise ValueError(f"probe_eval needs labels; {config.data.name} has none")
+    data_lib.check_labels(self.eval_source, self.train_source.num_classes, self.cfg.eval_split)
     self.batch_size = self.cfg.batch_size or config.eval_batch_size or config.batch_size
 
   def __call__(self, params) -> dict:

@@ -38,11 +38,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from darl_jax import checkpoint as checkpoint_lib
+from darl_jax import cli
 from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import ema as ema_lib
@@ -53,6 +56,7 @@ from darl_jax import ops
 from darl_jax import optim
 from darl_jax import preemption
 from darl_jax import sharding as sharding_lib
+from darl_jax.data import base as data_base
 from darl_jax.data import pipeline as data_pipeline
 from darl_jax import workdir as workdir_lib
 from darl_jax.train import accumulate
@@ -181,17 +185,56 @@ def _mean_metrics(history: list[dict], carry: dict | None = None) -> dict:
   return metrics_lib.window_mean(jax.device_get(history), carry)
 
 
-def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> dict:
-  """Averages the trainer's per-example metrics over one pass of the eval split."""
-  sums, count = {}, 0.0
+def eval_offset(eval_source, process_index: int, process_count: int) -> int:
+  """The index in the eval split of this process's first example: the
+  examples of the processes before it (data/base.py, ``process_range``;
+  a source of per-process files counts its ``process_examples``). A
+  mixture, whose components split by process one by one, gets indices
+  that may differ from its global order but not with the batch."""
+  if process_count == 1:
+    return 0
+  if getattr(eval_source, "owner", None) is not None:
+    return int(sum(eval_source.process_examples[:process_index]))
+  return data_base.process_range(eval_source.num_examples, process_index, process_count)[0]
+
+
+def eval_cap(config, process_count: int) -> int:
+  """The examples of the eval split each process evaluates, 0 for all:
+  ``eval_max_batches`` batches of ``batch_size`` (the training batch, not
+  the evaluation batch), so that a capped evaluation covers the same
+  examples whatever ``eval_batch_size`` is, or the microbatch it defaults to."""
   max_batches = config.get("eval_max_batches", 0)
+  return max_batches * data_base.local_batch_size(config.batch_size, process_count)
+
+
+def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> dict:
+  """Averages the trainer's per-example metrics over one pass of the eval split.
+
+  The result does not depend on the evaluation batch: each row of a batch
+  carries ``index``, its example's index in the split (make_eval_step draws
+  the example's randomness from it), padding rows are masked out, and the
+  cap (eval_cap) counts examples, whose rows past it are masked as well.
+  """
+  del trainer, model
+  sums, count = {}, 0.0
+  process, processes = jax.process_index(), jax.process_count()
+  cap = eval_cap(config, processes)
+  offset = eval_offset(eval_source, process, processes)
   batches = eval_source.eval_batches(config.eval_batch_size or config.batch_size,
-                                     jax.process_index(), jax.process_count(),
+                                     process, processes,
                                      num_workers=config.data.get("num_workers", -1))
+  seen = 0      # this process's real rows so far: the next one's ordinal
   previous = None
-  for i, batch in enumerate(batches):
-    if max_batches and i >= max_batches:
+  batches = iter(batches)
+  while not (cap and _all_processes(seen >= cap, processes)):
+    batch = next(batches, None)
+    if batch is None:
       break
+    real = np.asarray(batch["mask"], bool)
+    ordinal = seen + np.cumsum(real) - 1
+    seen += int(real.sum())
+    mask = real & (ordinal < cap) if cap else real
+    batch = {**batch, "mask": mask, "index": (offset + ordinal).astype(np.int32)}
     batch = to_global(batch, sharding)
     out = eval_fn(state["params"], state["model_state"], batch)
     for k, v in out.items():
@@ -205,6 +248,15 @@ def evaluate(trainer, model, state, eval_source, eval_fn, sharding, config) -> d
     previous = out
   count = float(count)
   return {k: float(v) / max(count, 1.0) for k, v in sums.items()}
+
+
+def _all_processes(done: bool, process_count: int) -> bool:
+  """Whether every process is ``done``: the eval steps are collective, so
+  all processes leave the evaluation after the same batch (a process whose
+  slice has fewer real rows than the cap runs masked batches until then)."""
+  if process_count == 1:
+    return done
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(done))))
 
 
 def host_readable(state: dict, mesh) -> dict:
@@ -307,19 +359,31 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
   return train_step
 
 
+def example_keys(rng: jax.Array, index: jax.Array) -> jax.Array:
+  """One key per example: ``rng`` folded with each example's ``index [B]``."""
+  return jax.vmap(lambda i: jax.random.fold_in(rng, i))(index)
+
+
 def make_eval_step(trainer: Trainer, model, base_rng, mesh=None) -> Callable:
   """The (unjitted) ``(params, model_state, batch) -> {metric: sum over the
-  batch's real rows}`` that ``evaluate`` averages. Its noise is fixed, so
-  evaluations are comparable between steps and runs. ``mesh``: as for
-  make_train_step."""
+  batch's real rows}`` that ``evaluate`` averages. ``mesh``: as for
+  make_train_step.
+
+  Its noise is fixed, so evaluations are comparable between steps and runs,
+  and it is each example's own, so they are comparable between evaluation
+  batches: ``batch["index"]`` holds each row's index in the eval split, and
+  the trainer's ``eval_fn`` draws example i's randomness from
+  ``example_keys(rng, batch["index"])[i]``, never from ``rng`` for the batch
+  as a whole (whose draw would depend on the row and the batch's size)."""
 
   @functools.partial(on_mesh, mesh=mesh)
   def eval_step(params, model_state, batch):
     batch = feed_lib.model_input(batch)
     rng = jax.random.fold_in(base_rng, 2**31 - 2)
     out = trainer.eval_fn(model, params, model_state, batch, rng)
-    mask = batch["mask"].astype(jnp.float32)
-    return {k: jnp.sum(v * mask) for k, v in out.items()}
+    # A masked row's metric is left out, not multiplied by zero: a padding
+    # row's NaN would otherwise reach the sum.
+    return {k: jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in out.items()}
 
   return eval_step
 
@@ -458,7 +522,7 @@ def job(config, workdir, model_dtype: str):
   the loop: the workdir checked and locked (darl_jax/workdir.py), the metric
   writer, the compilation cache and the kernel choice for the model's dtype.
   Yields ``(workdir, writer, is_main)``."""
-  workdir = workdir_lib.prepare(workdir)
+  workdir = workdir_lib.prepare(workdir, config)
   is_main = jax.process_index() == 0
   with workdir_lib.hold(workdir, is_main=is_main), metrics_lib.MetricWriter(
       str(workdir), is_main_process=is_main,
@@ -674,8 +738,9 @@ def run(trainer: Trainer, config, workdir: str) -> dict:
   config_lib.validate(config)
   # Orbax wants absolute paths; a relative local --workdir (as in the README)
   # is taken relative to the current directory. URLs (gs://...) stay as given.
-  workdir = workdir_lib.prepare(workdir)
-  with contextlib.ExitStack() as cleanup:
+  workdir = workdir_lib.prepare(workdir, config)
+  # A clean-up that fails after an error (a full disk) never hides that error.
+  with cli.CleanupStack() as cleanup:
     cleanup.enter_context(workdir_lib.hold(workdir, is_main=jax.process_index() == 0))
     return _run(trainer, config, workdir, cleanup)
 
@@ -702,6 +767,11 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
   state_shardings, eval_step = built.state_shardings, built.eval_step
   logging.info("start-up: setup (mesh, data sources, model, shardings): %.1f s",
                time.perf_counter() - started)
+  # Room for the checkpoints, before anything compiles: a disk that cannot
+  # hold one stops the run now, not at its first save.
+  checkpoint_lib.check_free_space(workdir / "checkpoints",
+                                  checkpoint_lib.state_bytes(built.abstract_state),
+                                  config.keep_checkpoints)
   # Every program the run uses, compiled (or loaded) side by side before the
   # checkpoint is read or the data flows: a step that cannot fit the device
   # stops here, naming the fix; no evaluation compiles mid-run, and the
@@ -779,7 +849,7 @@ def _run(trainer: Trainer, config, workdir: epath.Path,
     if ckpt.skipped_damaged and is_main and (workdir / "metrics.jsonl").exists():
       # Every checkpoint was damaged: the run starts over, and the records of
       # the earlier one go beside its checkpoints instead of being dropped.
-      kept = workdir / checkpoint_lib.DAMAGED_DIR / "metrics.jsonl"
+      kept = checkpoint_lib.numbered(workdir / checkpoint_lib.DAMAGED_DIR / "metrics.jsonl")
       files.write_text_atomic(kept, (workdir / "metrics.jsonl").read_text())
       logging.warning("the earlier run's metrics.jsonl is kept as %s", kept)
   # Every resume check passed: from here on the run writes into the workdir.

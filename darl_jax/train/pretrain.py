@@ -4,7 +4,8 @@ The loss is darl_jax/objectives.py's, run in one ``model.apply`` (backbone and
 decoder together, so gradients reach both). The noise comes from the rng the
 loop gives each step: split into the objective's draws (noise levels, noise,
 and a two-stream model's random orderings through the ``noise`` stream) and
-dropout. Validation scores every patch at a fixed gamma grid with fixed noise.
+dropout. Validation scores every patch at a fixed gamma grid with fixed noise,
+each example's drawn from its index in the eval split.
 After training, ``predictions.png`` shows teacher-forced predictions
 (sampling.predict_patches, the sampler's denoising chain), by a program the
 loop compiles at start-up (``finalize_programs``), so that the run ends
@@ -75,14 +76,26 @@ class PretrainTrainer(loop.Trainer):
     return loss, (metrics, model_state)
 
   def eval_fn(self, model, params, model_state, batch, rng):
-    """Per-example validation loss; diffusion at a fixed gamma grid."""
+    """Per-example validation loss; diffusion at a fixed gamma grid. Each
+    example's draws (noise, prefix length, a two-stream model's random
+    order) come from its own key (loop.example_keys of its index in the
+    eval split), so its loss does not depend on the evaluation batch."""
     gammas = None
     if self.config.loss.kind == "diffusion":
       gammas = diffusion.eval_gamma_grid(self.config.loss.get("eval_gammas", 8))
-    draws, stream = jax.random.split(rng)
-    _, metrics = model.apply({"params": params}, batch["image"], draws, train=False,
-                             eval_gammas=gammas, rngs={"noise": stream},
-                             method=objectives.loss)
+    one = batch["image"][:1]      # draws read the shape of one example only
+    n = objectives.noise_shape(model, one)[1]
+
+    def example_draws(key):
+      key, stream = jax.random.split(key)
+      draws = objectives.draws(model, one, key, eval_gammas=gammas)
+      if model.two_stream and model.ordering == "random":
+        draws["perm"] = patches.random_permutations(jax.random.fold_in(stream, 7), 1, n)
+      return jax.tree.map(lambda x: x[0], draws)
+
+    draws = jax.vmap(example_draws)(loop.example_keys(rng, batch["index"]))
+    _, metrics = model.apply({"params": params}, batch["image"], train=False,
+                             method=objectives.loss_given_noise, **draws)
     return {"loss": metrics["per_example_loss"]}
 
   def extra_eval(self, ctx, model, state):

@@ -216,10 +216,12 @@ def compile_train_step(built: Setup, config, device=None, *, reuse: bool = True,
 def abstract_eval_batch(built: Setup, config) -> dict:
   """The evaluation batch as ``evaluate`` feeds the eval step: the training
   batch's entries at ``eval_batch_size`` (default ``batch_size``) rows and
-  the ``mask`` of real rows, as ShapeDtypeStructs laid out like the batch."""
+  the ``mask`` of real rows and each row's ``index`` in the split, as
+  ShapeDtypeStructs laid out like the batch."""
   size = config.eval_batch_size or config.batch_size
   batch = aot.abstract_batch(built.ctx.eval_source.image_shape, size, built.batch_sharding)
   batch["mask"] = jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=built.batch_sharding)
+  batch["index"] = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=built.batch_sharding)
   return batch
 
 
