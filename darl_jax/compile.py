@@ -22,7 +22,9 @@ compile failed otherwise (a bug here or in XLA: the line names the file its
 traceback went to). A script can tell "does not fit" from a mistake.
 
 Topology names are JAX's: ``v4:2x2x2``, ``v5e:4x4`` (v5 lite), ``v5p:4x4x8``,
-``v6e:8x8``; ``--num_slices`` > 1 compiles for several slices of it. The
+``v6e:8x8``, chips per axis in a shape the generation offers
+(``check_topology``, before libtpu is asked); ``--num_slices`` > 1 compiles
+for several slices of it. The
 data source is replaced by synthetic images of the config's size (nothing
 is read); the schedule's length is the config's. ``--save`` writes the
 serialized train-step executable (jax.experimental.serialize_executable).
@@ -42,6 +44,9 @@ if not tpu_env.on_tpu_vm() and _PLATFORMS is None:
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -159,19 +164,83 @@ class Report:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """The slice shapes (chips per axis) Cloud TPU offers for one generation."""
+  dims: int                     # 2: AxB (a 2D torus), 3: AxBxC
+  shapes: tuple = ()            # the offered shapes (either orientation) ...
+  multiple: int = 0             # ... or (3D) every axis a multiple of this
+  max_chips: int = 0
+
+
+# Offered shapes per generation (the accelerator types of Cloud TPU's
+# documentation, as JAX's chip grids). The smallest are whole hosts: JAX
+# describes a topology host by host, 2x2 chips each.
+GENERATIONS = {
+    "v2": Generation(2, ((2, 2), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))),
+    "v3": Generation(2, ((2, 2), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16), (16, 32),
+                        (32, 32))),
+    "v4": Generation(3, ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 4, 4096),
+    "v5e": Generation(2, ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))),
+    "v5p": Generation(3, ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 4, 8960),
+    "v6e": Generation(2, ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))),
+}
+TOPOLOGY_EXAMPLES = "v4:2x2x2, v5e:2x2, v5e:4x4, v5p:4x4x8, v6e:8x8"
+# JAX's topology names: generation, a separator, the chips per axis, an
+# optional torus twist.
+_TOPOLOGY = re.compile(r"([A-Za-z0-9]+)[=_:]([0-9x]+)(_twisted|_untwisted)?")
+
+
+def check_topology(name: str) -> None:
+  """A ValueError (one line naming valid topologies) unless ``name`` is a
+  slice of a known generation in a shape that generation offers. Checked
+  before libtpu is asked, so that a mistyped topology is reported as such."""
+  def bad(why: str) -> ValueError:
+    return ValueError(f"--topology {name!r} {why}; use JAX's <generation>:<chips per "
+                      f"axis>, e.g. {TOPOLOGY_EXAMPLES}")
+
+  if re.fullmatch(r"v\d+[a-z]*-\d+", name or ""):
+    raise bad("is a Cloud TPU accelerator type (cores or chips in all), not a chip grid")
+  m = _TOPOLOGY.fullmatch(name or "")
+  if not m or not re.fullmatch(r"\d+(x\d+)*", m.group(2)):
+    raise bad("is not a topology")
+  generation = GENERATIONS.get(m.group(1).lower())
+  if generation is None:
+    raise bad(f"names no known TPU generation (known: {', '.join(GENERATIONS)})")
+  axes = [int(a) for a in m.group(2).split("x")]
+  # A trailing 1 is how JAX writes a 2D slice in three axes (v5e:2x2x1); a 3D
+  # generation's single-host slice may leave it out (v5p:2x2).
+  if len(axes) == generation.dims + 1 and axes[-1] == 1:
+    axes = axes[:-1]
+  if len(axes) == 2 and generation.dims == 3:
+    axes.append(1)
+  if len(axes) != generation.dims:
+    raise bad(f"has {len(axes)} axes; {m.group(1)} slices have {generation.dims}")
+  shape = tuple(sorted(axes))
+  chips = math.prod(shape)
+  offered = shape in {tuple(sorted(s)) for s in generation.shapes} or (
+      generation.multiple and all(a % generation.multiple == 0 for a in shape)
+      and 0 < chips <= generation.max_chips)
+  if not offered:
+    sizes = ", ".join("x".join(map(str, s)) for s in generation.shapes)
+    more = (f", or every axis a multiple of {generation.multiple} up to "
+            f"{generation.max_chips} chips" if generation.multiple else "")
+    raise bad(f"is not a {m.group(1)} slice (its shapes: {sizes}{more})")
+
+
 def topology_devices(name: str, num_slices: int = 1) -> list:
   """The devices of TPU topology ``name`` (JAX's naming), compile-only."""
+  check_topology(name)
+  if importlib.util.find_spec("libtpu") is None:
+    raise ValueError("describing a TPU topology needs libtpu: pip install -e \".[tpu]\"")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=name,
                                         num_slices=num_slices)
   except Exception as e:  # pylint: disable=broad-except
     text = " ".join(str(e).split())
-    if "libtpu" in text.lower() or "tpu" not in text.lower():
-      raise ValueError(f"cannot describe TPU topology {name!r}: {text[:300]}; is libtpu "
-                       "installed (pip install -e \".[tpu]\")?") from None
-    raise ValueError(f"unknown TPU topology {name!r} ({text[:200]}): use JAX's names, "
-                     "e.g. v4:2x2x2, v5e:4x4, v5p:4x4x8, v6e:8x8") from None
+    raise ValueError(f"libtpu cannot describe TPU topology {name!r} ({num_slices} "
+                     f"slice(s)): {text[:300]}") from None
   return list(desc.devices)
 
 
@@ -248,6 +317,8 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
                                   built.batch_sharding)
   eval_batch["mask"] = jax.ShapeDtypeStruct((eval_size,), jax.numpy.bool_,
                                             sharding=built.batch_sharding)
+  eval_batch["index"] = jax.ShapeDtypeStruct((eval_size,), jax.numpy.int32,
+                                             sharding=built.batch_sharding)
   try:
     state = built.abstract_state
     eval_compiled = built.eval_step.lower(state["params"], state["model_state"],
@@ -290,6 +361,7 @@ def main(argv):
                              "--config=experiments/vit_h14_diff.py")
   if not f.topology:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x8")
+  check_topology(f.topology)
   logging.set_verbosity(logging.WARNING)
   from darl_jax import config_lib  # pylint: disable=g-import-not-at-top
   config_lib.validate(config)

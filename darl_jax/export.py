@@ -15,7 +15,9 @@ writes ``<file>.safetensors`` (float32 tensors under PyTorch names, see
 rebuild the network without this code base (sizes, positional encoding and its
 exact channel layout, SOS position, mask mode, LayerNorm eps, GELU flavour,
 read-out). The sidecar is also embedded in the safetensors header metadata
-(key ``darl_sidecar``), so a lone ``.safetensors`` file still loads.
+(key ``darl_sidecar``), so a lone ``.safetensors`` file still loads. The pair
+is replaced as a unit (``commit_pair``): an export killed at any moment leaves
+no tensors file beside another export's sidecar.
 ``darl_jax/torch_backbone.py`` rebuilds the backbone in PyTorch from the pair.
 
 Export needs neither PyTorch nor a model: the parameters come from
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -356,12 +359,58 @@ def export_params(params: dict, config: dict, out: str, *, with_decoder: bool = 
   }
   text = json.dumps(sidecar, indent=2, sort_keys=True)
   out_path = epath.Path(out)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
-  st_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                     str(out_path), metadata={"format": "pt", SIDECAR_METADATA_KEY: text})
   json_path = sidecar_path(out_path)
-  json_path.write_text(text + "\n")
+
+  def write_tensors(path):
+    st_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                       os.fspath(path), metadata={"format": "pt", SIDECAR_METADATA_KEY: text})
+
+  commit_pair(out_path, write_tensors, json_path, text + "\n")
   return out_path, json_path
+
+
+def _fsync(path, directory: bool = False) -> None:
+  fd = os.open(os.fspath(path), os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def commit_pair(data_path: epath.Path, write_data, json_path: epath.Path,
+                sidecar: str) -> None:
+  """Replaces the pair ``(data_path, json_path)`` so that a reader never sees a
+  tensors file beside another export's sidecar, whatever moment the writer dies.
+
+  Both are written whole to temporary names beside them (``write_data(path)``
+  writes the tensors file) and synced; then the old sidecar goes, the tensors
+  file is renamed into place, and the sidecar last. The tensors file embeds
+  the same sidecar (``SIDECAR_METADATA_KEY``), which the loader reads when
+  ``<file>.json`` is missing, so each moment in between leaves a whole
+  export: the previous pair, the previous tensors file alone, the new
+  tensors file alone, or the new pair. Local paths (safetensors writes files).
+  """
+  directory = data_path.parent
+  directory.mkdir(parents=True, exist_ok=True)
+  tag = f".tmp-{os.getpid()}"
+  tmp_data = directory / f".{data_path.name}{tag}"
+  tmp_json = directory / f".{json_path.name}{tag}"
+  try:
+    write_data(tmp_data)
+    _fsync(tmp_data)
+    tmp_json.write_text(sidecar)
+    _fsync(tmp_json)
+    if json_path.exists():
+      json_path.unlink()
+      _fsync(directory, directory=True)
+    tmp_data.replace(data_path)
+    _fsync(directory, directory=True)
+    tmp_json.replace(json_path)
+    _fsync(directory, directory=True)
+  finally:
+    for tmp in (tmp_data, tmp_json):
+      if tmp.exists():
+        tmp.unlink()
 
 
 def export(checkpoint: str, out: str, *, with_decoder: bool = False,

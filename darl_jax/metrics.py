@@ -34,6 +34,7 @@ from absl import logging
 from etils import epath
 
 from darl_jax import files
+from darl_jax import workdir as workdir_lib
 
 
 def _to_json_number(name: str, value: Any) -> int | float | None:
@@ -257,12 +258,18 @@ class MetricWriter:
     the previous file, never a torn one. The loop calls it only once every
     resume check has passed; readers of a checkpoint take the config stored
     in the checkpoint itself, so this file is for humans and old checkpoints.
+    It records the job kind under ``job`` (the config's ``trainer`` unless
+    given), which darl_jax/workdir.py checks before another job uses the
+    workdir.
     """
     if not self._enabled:
       return
+    config_dict = dict(config_dict)
+    if workdir_lib.JOB_KEY not in config_dict and config_dict.get("trainer"):
+      config_dict[workdir_lib.JOB_KEY] = config_dict["trainer"]
     # default=str keeps odd values (tuples become lists anyway; dtypes, paths,
     # callables) from aborting a run at startup just to log its config.
-    text = json.dumps(dict(config_dict), indent=2, sort_keys=True, default=str)
+    text = json.dumps(config_dict, indent=2, sort_keys=True, default=str)
     files.write_text_atomic(self._workdir / "config.json", text + "\n")
     if self._tb is not None:
       # TensorBoard renders text as markdown: indent to get a code block.

@@ -1,8 +1,19 @@
 """A run's --workdir: checked before anything is written, owned by one run at a time.
 
-``prepare(workdir)`` resolves the path (Orbax wants absolute local paths; URLs
-such as ``gs://...`` stay as given), creates the directory and fails with one
-line when it cannot be used: a file in its place, no permission to write.
+``prepare(workdir, config)`` resolves the path (Orbax wants absolute local
+paths; URLs such as ``gs://...`` stay as given), creates the directory and
+fails with one line when it cannot be used: a file in its place, no
+permission to write, a directory of another user, or another run's:
+
+* A job never writes into the run it reads: a ``--workdir`` equal to or
+  inside ``config.init_from`` (or the run that holds it, when ``init_from``
+  names its ``checkpoints`` directory or a step of it) is refused before
+  anything is written, since the job would empty that run's metrics.jsonl
+  and replace its config.json.
+* A workdir holds one kind of job: ``config.json`` records the job kind
+  (``job``, the trainer or driver name), and a job of another kind on it is
+  refused, naming both (a config.json from before the field: its
+  ``trainer``; neither: accepted).
 
 ``WorkdirLock`` is the lock file ``<workdir>/run.lock``, held by process 0 of
 a run from start to exit. Two runs on one workdir would otherwise delete each
@@ -27,14 +38,19 @@ import datetime
 import errno
 import json
 import os
+import pwd
 import socket
 import sys
+import tempfile
 import time
 
 from absl import logging
 from etils import epath
 
 LOCK_NAME = "run.lock"
+CONFIG_NAME = "config.json"
+# The key of config.json that names the job kind (metrics.MetricWriter writes it).
+JOB_KEY = "job"
 
 
 class WorkdirError(ValueError):
@@ -45,15 +61,108 @@ def is_remote(path) -> bool:
   return "://" in str(path)
 
 
-def prepare(workdir) -> epath.Path:
-  """The absolute workdir, created; a WorkdirError (one line) if it is unusable."""
+def _normalized(path: str) -> str:
+  """A local path resolved (symbolic links, ``..``); a URL without trailing slashes."""
+  path = str(path)
+  return path.rstrip("/") if is_remote(path) else os.path.realpath(path)
+
+
+def _is_within(path: str, root: str) -> bool:
+  if is_remote(path) != is_remote(root):
+    return False
+  if is_remote(path):
+    return path == root or path.startswith(root + "/")
+  return path == root or os.path.commonpath([path, root]) == root
+
+
+def source_run(init_from: str) -> str:
+  """The run directory that ``init_from`` reads: a workdir as given; for its
+  ``checkpoints`` directory or a step directory of it, the workdir above."""
+  path = _normalized(init_from)
+  parts = path.split("/")
+  if len(parts) > 2 and parts[-1].isdigit() and parts[-2] == "checkpoints":
+    return "/".join(parts[:-2]) or "/"
+  if len(parts) > 1 and parts[-1] == "checkpoints":
+    return "/".join(parts[:-1]) or "/"
+  return path
+
+
+def check_not_in_source(workdir, init_from) -> None:
+  """A WorkdirError if ``workdir`` is or lies inside the run ``init_from``
+  reads (local paths resolved, URLs compared as strings)."""
+  if not init_from:
+    return
+  source = source_run(str(init_from))
+  if _is_within(_normalized(str(workdir)), source):
+    raise WorkdirError(
+        f"--workdir {workdir} is inside the run this job reads (init_from {init_from}): "
+        f"the job would overwrite that run's files; pass a --workdir outside {source}")
+
+
+def stored_job(workdir) -> str | None:
+  """The job kind recorded in ``<workdir>/config.json``: its ``job``, else
+  its ``trainer`` (written before the field); None without either."""
+  path = epath.Path(workdir) / CONFIG_NAME
+  try:
+    text = path.read_text()
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise WorkdirError(f"cannot read {path} ({e}); fix its permissions or use another "
+                       "--workdir") from e
+  try:
+    stored = json.loads(text)
+  except ValueError:
+    stored = None
+  if not isinstance(stored, dict):
+    raise WorkdirError(f"{path} is not a darl_jax config (not a JSON object), so the "
+                       "workdir's job is unknown; use another --workdir")
+  kind = stored.get(JOB_KEY) or stored.get("trainer")
+  return str(kind) if kind else None
+
+
+def check_job(workdir, kind: str | None) -> None:
+  """A WorkdirError if ``workdir`` holds a run of another job kind."""
+  if not kind:
+    return
+  old = stored_job(workdir)
+  if old is not None and old != kind:
+    raise WorkdirError(
+        f"--workdir {workdir} holds a {old} run (its {CONFIG_NAME}) and this is a {kind} "
+        f"job; a workdir holds one kind of job: use another --workdir")
+
+
+def check_owner(workdir: str) -> None:
+  """A WorkdirError if the local directory ``workdir`` belongs to another user:
+  its files (the lock, links planted in it) are not this run's to trust."""
+  owner = os.stat(workdir).st_uid
+  if owner == os.geteuid():
+    return
+  try:
+    name = pwd.getpwuid(owner).pw_name
+  except KeyError:
+    name = f"uid {owner}"
+  raise WorkdirError(f"--workdir {workdir} belongs to user {name}, not to this user: "
+                     "use a --workdir of your own (or have its owner hand it over with chown)")
+
+
+def prepare(workdir, config=None) -> epath.Path:
+  """The absolute workdir, created; a WorkdirError (one line) if it is unusable.
+  With ``config``: also refused inside the run its ``init_from`` reads, or
+  when it holds a run of another job kind (``config.trainer``)."""
   workdir = str(workdir)
   if not is_remote(workdir):
     workdir = os.path.abspath(workdir)
   path = epath.Path(workdir)
+  if config is not None:
+    check_not_in_source(workdir, config.get("init_from", ""))
   if path.exists() and not path.is_dir():
     raise WorkdirError(f"--workdir {workdir} is a file, not a directory; pass a "
                        "directory (it is created if missing)")
+  if not is_remote(workdir) and path.exists():
+    check_owner(workdir)
+  if config is not None and path.exists():
+    check_job(workdir, config.get("trainer"))
   try:
     path.mkdir(parents=True, exist_ok=True)
   except (FileExistsError, NotADirectoryError) as e:
@@ -65,12 +174,12 @@ def prepare(workdir) -> epath.Path:
   if not is_remote(workdir):
     # A real write, not os.access: root passes access checks on read-only
     # directories, and read-only mounts fail only on writing.
-    # Named per process: every process of a multi-host job checks, possibly
-    # on one shared file system.
-    probe = os.path.join(workdir, f".write-test-{socket.gethostname()}-{os.getpid()}")
+    # A fresh name per process (mkstemp: O_EXCL, unpredictable): every process
+    # of a multi-host job checks, possibly on one shared file system, and no
+    # link planted under a known name is followed.
     try:
-      with open(probe, "w"):
-        pass
+      fd, probe = tempfile.mkstemp(dir=workdir, prefix=f".write-test-{socket.gethostname()}-")
+      os.close(fd)
       os.remove(probe)
     except OSError as e:
       raise WorkdirError(f"--workdir {workdir} is not writable ({e.strerror or e}); "
@@ -100,6 +209,20 @@ def _pid_alive(pid: int, start_time: str | None) -> bool:
     now = _process_start_time(pid)
     return now is None or now == start_time
   return True
+
+
+# O_NOFOLLOW: a link planted at the lock's path would have the run truncate
+# and write whatever file it points to; O_CLOEXEC: the lock stays with this
+# process, not with the programs it starts.
+_LOCK_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _lock_open_error(path: str, e: OSError) -> WorkdirError:
+  if e.errno == errno.ELOOP:
+    return WorkdirError(f"the lock file {path} is a symbolic link, which a run never "
+                        "creates: delete it (or use another --workdir)")
+  return WorkdirError(f"cannot create the lock file {path} ({e.strerror or e}); the "
+                      "workdir must be writable")
 
 
 def _describe(holder: dict | None) -> str:
@@ -132,9 +255,26 @@ class WorkdirLock:
 
   def read_holder(self) -> dict | None:
     try:
-      return json.loads(self.path.read_text())
+      if is_remote(self.path):
+        return json.loads(self.path.read_text())
+      fd = os.open(os.fspath(self.path), os.O_RDONLY | _LOCK_OPEN_FLAGS)
+      with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read())
     except (OSError, ValueError):
       return None
+
+  def _write_record(self) -> None:
+    text = json.dumps(self._record) + "\n"
+    if is_remote(self.path):
+      self.path.write_text(text)
+      return
+    path = os.fspath(self.path)
+    try:
+      fd = os.open(path, _LOCK_OPEN_FLAGS | os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+      raise _lock_open_error(path, e) from e
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
 
   def _held_by_other_error(self, holder, how_to_clear: str) -> WorkdirError:
     return WorkdirError(
@@ -156,10 +296,9 @@ class WorkdirLock:
     path = os.fspath(self.path)
     while True:
       try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, _LOCK_OPEN_FLAGS | os.O_RDWR | os.O_CREAT, 0o644)
       except OSError as e:
-        raise WorkdirError(f"cannot create the lock file {path} ({e.strerror or e}); "
-                           "the workdir must be writable") from e
+        raise _lock_open_error(path, e) from e
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError as e:
@@ -190,6 +329,8 @@ class WorkdirLock:
     self._fd = fd
 
   def _acquire_file(self):
+    if not is_remote(self.path) and os.path.islink(os.fspath(self.path)):
+      raise _lock_open_error(os.fspath(self.path), OSError(errno.ELOOP, "a link"))
     holder = self.read_holder() if self.path.exists() else None
     if self.path.exists():
       same_host = holder and holder.get("host") == socket.gethostname()
@@ -204,7 +345,7 @@ class WorkdirLock:
         raise self._held_by_other_error(
             holder, f"; if that run is gone, delete {self.path}")
     try:
-      self.path.write_text(json.dumps(self._record) + "\n")
+      self._write_record()
     except OSError as e:
       raise WorkdirError(f"cannot create the lock file {self.path} ({e}); the workdir "
                          "must be writable") from e

@@ -62,6 +62,16 @@ def check_workdir(workdir: str, *, shared: str) -> str:
   return workdir
 
 
+def check_line(what: str, value):
+  """``value``, refused (one error line) if it holds a newline or another
+  control character: a generated script or command line keeps each value on
+  its line."""
+  if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+    raise SystemExit(f"error: {what} {str(value)!r} holds a newline or another control "
+                     "character, which a job script cannot carry; remove it")
+  return value
+
+
 def main_args(config: str, workdir: str, passthrough: Sequence[str]) -> list[str]:
   """Flags of ``python -m darl_jax.main`` (without the interpreter)."""
   return [f"--config={config}", f"--workdir={workdir}", *passthrough]

@@ -43,15 +43,27 @@ PROCESSES = ("per_gpu", "per_node")
 PREEMPTED = common.PREEMPTED
 
 
+# Characters an #SBATCH value may hold unquoted: sbatch reads "#" as the start
+# of a comment, quotes and backslashes as quoting, spaces as the end of the
+# value; anything outside this set is quoted.
+_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]*")
+
+
 def sbatch_option(option: str) -> str:
-  """``--name=value`` (or a switch, ``--name``) as an ``#SBATCH`` line. sbatch parses those lines itself,
-  not through a shell: it takes double quotes and backslashes, not a shell's
-  single quotes, so a value with spaces goes in double quotes."""
+  """``--name=value`` (or a switch, ``--name``) as an ``#SBATCH`` line. sbatch
+  parses those lines itself, not through a shell: double quotes keep spaces
+  (and ``'``) in the value, a backslash makes the next character literal, and
+  an unescaped ``#`` ends the line even inside quotes in older sbatch, so a
+  value with anything beyond a plainly safe character set goes in double
+  quotes with ``\\``, ``"`` and ``#`` escaped. Newlines and other control
+  characters are refused (``common.check_line``): a newline would end the
+  line, and with it the #SBATCH block."""
   if "=" not in option:
-    return f"#SBATCH {option}"          # a switch, e.g. --requeue
+    return f"#SBATCH {common.check_line('an #SBATCH option', option)}"  # a switch
   name, value = option.split("=", 1)
-  if re.search(r'[\s"\\]', value):
-    value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+  common.check_line(name, value)
+  if not _SBATCH_SAFE.fullmatch(value):
+    value = '"' + re.sub(r'([\\"#])', r"\\\1", value) + '"'
   return f"#SBATCH {name}={value}"
 
 
@@ -61,6 +73,10 @@ def script(args, passthrough: list[str]) -> str:
     raise SystemExit(f"error: --processes must be one of {', '.join(PROCESSES)}")
   if args.nodes < 1 or args.gpus_per_node < 1:
     raise SystemExit("error: --nodes and --gpus_per_node must be positive")
+  for name in ("config", "workdir", "python", "venv"):
+    common.check_line(f"--{name}", getattr(args, name))
+  for flag in passthrough:
+    common.check_line("a flag after --", flag)
   config = common.check_config(args.config)
   workdir = common.check_workdir(args.workdir, shared="any")
   per_node = 1 if args.processes == "per_node" else args.gpus_per_node

@@ -8,8 +8,9 @@ Steps (``--steps``, in this order; ``--create`` adds the first):
 
 * ``create``: ``gcloud compute tpus tpu-vm create`` with the software version
   JAX uses for the generation (``--runtime_version`` overrides);
-* ``copy``: packs this working tree (no .git, virtualenvs or workdirs) and
-  copies it to every worker (``scp --worker=all``);
+* ``copy``: packs this working tree (no .git, virtualenvs or workdirs) into
+  a private temporary folder (removed afterwards) and copies it to every
+  worker (``scp --worker=all``);
 * ``setup``: unpacks it in ``~/<remote_dir>`` and ``pip install``s it with
   ``jax[tpu]`` on every worker;
 * ``run``: ``ssh --worker=all`` starts ``python3 -m darl_jax.main`` on every
@@ -33,9 +34,11 @@ process 0 the metrics. ``--dry_run`` prints the commands and runs nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
+import tempfile
 
 import launchlib as common
 
@@ -95,15 +98,18 @@ def _ssh(args, remote: str) -> list[str]:
   return _gcloud(args, "ssh", args.tpu_name, "--worker=all", f"--command={remote}")
 
 
-def commands(args, passthrough: list[str], steps=None) -> list[list[str]]:
-  """The gcloud (and tar) commands of ``steps``, in order."""
+def commands(args, passthrough: list[str], steps=None,
+             archive: str | None = None) -> list[list[str]]:
+  """The gcloud (and tar) commands of ``steps``, in order. ``archive``: where
+  ``copy`` packs the working tree (``launch`` gives a private folder's path)."""
   steps = list(steps or [s for s in STEPS if s != "create" or args.create])
   unknown = sorted(set(steps) - set(STEPS))
   if unknown:
     raise SystemExit(f"error: unknown steps {unknown}; valid: {', '.join(STEPS)}")
   if not args.tpu_name or not args.zone:
     raise SystemExit("error: --tpu_name and --zone are required")
-  archive = f"/tmp/darl_jax_{args.tpu_name}.tar.gz"
+  if "copy" in steps and not archive:
+    raise ValueError("the copy step needs the archive's path (launch() makes one)")
   home = "~/" + shlex.quote(args.remote_dir)   # the remote shell expands ~/ before quotes
   out = []
   if "create" in steps:
@@ -133,6 +139,16 @@ def commands(args, passthrough: list[str], steps=None) -> list[list[str]]:
   return out
 
 
+def launch(args, passthrough: list[str], steps=None, dry_run: bool = False) -> None:
+  """Runs (or prints) the commands of ``steps``. The archive of the working
+  tree goes into a folder only this user can read (``tempfile``), removed
+  afterwards: a fixed name in /tmp would let other users read the code, or
+  plant a file of theirs to be copied to the workers."""
+  with tempfile.TemporaryDirectory(prefix="darl_jax_launch_") as private:
+    archive = os.path.join(private, "darl_jax.tar.gz")
+    common.run_or_print(commands(args, passthrough, steps, archive=archive), dry_run)
+
+
 def main(argv=None) -> None:
   own, passthrough = common.split_passthrough(sys.argv if argv is None else argv)
   parser = argparse.ArgumentParser(prog="launch/tpu_vm.py", description=__doc__.split("\n")[0])
@@ -148,7 +164,7 @@ def main(argv=None) -> None:
   steps = args.steps.split(",") if args.steps else None
   if args.dry_run:
     print("dry run: nothing is executed")
-  common.run_or_print(commands(args, passthrough, steps), args.dry_run)
+  launch(args, passthrough, steps, args.dry_run)
 
 
 if __name__ == "__main__":

@@ -339,7 +339,7 @@ def main(argv=None) -> None:
     print(f"{prefix}{args.topology} is a multi-host TPU VM slice, which XManager's "
           "executors cannot start (Vertex AI: v2-8/v3-8 only); launching through "
           "launch/tpu_vm.py (gcloud) instead")
-    common.run_or_print(tpu_vm.commands(args, passthrough), args.dry_run)
+    tpu_vm.launch(args, passthrough, dry_run=args.dry_run)
     return
   plan = vertex_plan(args, passthrough)
   print(prefix + describe(plan))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from etils import epath
 
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import export
@@ -313,6 +314,87 @@ def test_sidecar_embedded_in_safetensors_is_enough(tmp_path):
   x = images(2, 8, 8)
   want = torch_forward(with_json, x)
   assert_outputs_close(torch_forward(alone, x), {k: v.numpy() for k, v in want.items()})
+
+
+def _fail_at(monkeypatch, name: str):
+  """Makes the export fail where it would put ``name`` in place (its write or
+  rename onto that name), as a kill or a full disk at that moment would."""
+  gpath = type(epath.Path("/"))
+  write_text, replace = gpath.write_text, gpath.replace
+
+  def failing_write_text(self, *args, **kwargs):
+    if self.name == name:
+      raise OSError(f"injected failure writing {name}")
+    return write_text(self, *args, **kwargs)
+
+  def failing_replace(self, target):
+    if epath.Path(target).name == name:
+      raise OSError(f"injected failure renaming onto {name}")
+    return replace(self, target)
+
+  monkeypatch.setattr(gpath, "write_text", failing_write_text)
+  monkeypatch.setattr(gpath, "replace", failing_replace)
+
+
+def _export_pair(path, depth: int, posenc: str):
+  cfg = model_config(variant="mu/2", posenc=posenc)
+  cfg["model"]["depth"] = depth
+  backbone, patch = vit_lib.vit_from_config(ml_collections.ConfigDict(cfg["model"]))
+  clf = heads.Classifier(backbone, patch, num_classes=3)
+  params = random_params(clf, images(1, 8, 8), seed=depth)
+  export.export_params({"backbone": params["backbone"]}, cfg, str(path))
+
+
+def _what_the_loader_reads(path):
+  """The sidecar the loader takes for ``path`` and the one the tensors file
+  carries in its header (the export it belongs to)."""
+  from safetensors import safe_open
+  from darl_jax import torch_backbone as tb
+  with safe_open(str(path), framework="numpy") as f:
+    header = json.loads(f.metadata()[export.SIDECAR_METADATA_KEY])
+  return tb.load_sidecar(path), header
+
+
+@requires_torch
+@pytest.mark.parametrize("fail_at", ["m.safetensors", "m.json"])
+def test_an_export_that_fails_half_way_leaves_no_mixed_pair(tmp_path, monkeypatch, fail_at):
+  """A second export over a first one fails while it puts the tensors file
+  (or, after it, the sidecar) in place: the loader then reads one whole
+  export, never the new tensors beside the old sidecar or the reverse."""
+  out = tmp_path / "m.safetensors"
+  _export_pair(out, depth=2, posenc="learned")
+  first_sidecar, _ = _what_the_loader_reads(out)
+  with monkeypatch.context() as patch:
+    _fail_at(patch, fail_at)
+    with pytest.raises(OSError, match="injected failure"):
+      _export_pair(out, depth=3, posenc="rope2d")
+  sidecar, header = _what_the_loader_reads(out)
+  assert sidecar == header
+  want_depth = 2 if fail_at == "m.safetensors" else 3
+  assert sidecar["backbone"]["depth"] == want_depth
+  if fail_at == "m.safetensors":
+    assert sidecar == first_sidecar
+  model = load_torch(out)                   # the tensors fit the sidecar it reads
+  assert len(model.blocks) == want_depth
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      {"m.safetensors", "m.json"} & {p.name for p in tmp_path.iterdir()})   # no temporaries
+
+
+def test_an_export_that_fails_writing_its_tensors_keeps_the_previous_pair(tmp_path,
+                                                                           monkeypatch):
+  out = tmp_path / "m.safetensors"
+  _export_pair(out, depth=2, posenc="learned")
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  from safetensors import numpy as st_numpy
+
+  def full_disk(tensors, filename, metadata=None):
+    pathlib.Path(filename).write_bytes(b"torn")
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(st_numpy, "save_file", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    _export_pair(out, depth=3, posenc="rope2d")
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 # ------------------------------------------------------ checkpoints and CLI

@@ -11,11 +11,13 @@ import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import pwd
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -436,7 +438,116 @@ def test_tpu_vm_submit_path_with_a_stand_in_gcloud(tmp_path):
   assert "DARL_DISTRIBUTED=on python3 -m darl_jax.main" in args[6]
 
 
+def test_tpu_vm_packs_the_tree_in_a_private_folder_and_removes_it(tmp_path):
+  """With stand-in ``tar`` (recording the archive's folder and its mode) and
+  ``gcloud``: the archive is made in a folder only this user can open, and
+  the folder is gone once the launcher ends."""
+  env = stand_in(tmp_path, "tar",
+                 f'd=$(dirname "$2"); stat -c "%a %U" "$d" > {tmp_path}/mode; '
+                 f'echo "$d" > {tmp_path}/folder; echo archive > "$2"')
+  (tmp_path / "bin" / "gcloud").write_text(
+      f'#!/bin/sh\nfor a in "$@"; do [ -f "$a" ] && echo "$a" >> {tmp_path}/sent; done; exit 0\n')
+  (tmp_path / "bin" / "gcloud").chmod(0o755)
+  proc = subprocess.run(
+      [sys.executable, "launch/tpu_vm.py", "--tpu_name=t1", "--zone=z", "--steps=copy"],
+      cwd=ROOT, env={**env, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+      timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  folder = (tmp_path / "folder").read_text().strip()
+  assert (tmp_path / "mode").read_text().split() == ["700", pwd.getpwuid(os.getuid()).pw_name]
+  assert (tmp_path / "sent").read_text().split() == [f"{folder}/darl_jax.tar.gz"]
+  assert not os.path.exists(folder)
+
+
 # --------------------------------------------------------------------- Slurm
+
+
+def sbatch_arguments(line: str, old: bool = False) -> list[str]:
+  """The arguments sbatch reads from an ``#SBATCH`` line (a port of the
+  parser of src/sbatch/opt.c, ``_get_argument``): a backslash makes the next
+  character literal, single or double quotes keep spaces, an unquoted ``#``
+  starts a comment. ``old=True``: the parser of older releases, where only
+  double quotes quote and ``#`` ends the line even inside them."""
+  assert line.startswith("#SBATCH ")
+  rest, out = line[len("#SBATCH"):], []
+  while True:
+    rest = rest.lstrip()
+    if not rest:
+      return out
+    arg, i, quote, escape = "", 0, "", False
+    while i < len(rest) and (quote or not rest[i].isspace()):
+      ch = rest[i]
+      i += 1
+      if escape:
+        escape = False
+      elif ch == "\\":
+        escape = True
+        continue
+      elif quote and ch == quote:
+        quote = ""
+        continue
+      elif ch == "#" and (old or not quote):
+        return out + ([arg] if arg else [])
+      elif not quote and (ch == '"' or (ch == "'" and not old)):
+        quote = ch
+        continue
+      arg += ch
+    assert not quote, f"unmatched quote in {line!r}"
+    out.append(arg)
+    rest = rest[i:]
+
+
+AWKWARD = {"--job_name": "exp#3 it's \"a\" b\\c", "--account": "team's #1",
+           "--partition": "gpu a"}
+
+
+def test_slurm_quotes_every_value_that_is_not_plainly_safe(capsys, tmp_path):
+  workdir = "/shared/it's #3/\"run\" x"
+  out = run(slurm, capsys, "--config=experiments/vit_l16_diff.py", f"--workdir={workdir}",
+            f"--log_dir={tmp_path}/l#gs", *(f"{k}={v}" for k, v in AWKWARD.items()),
+            "--dry_run", "--", "--config.data.name=it's #1 \"x\"")
+  text = _script(out)
+  sbatch = {}
+  for line in text.splitlines():
+    if line.startswith("#SBATCH"):
+      for old in (False, True):
+        [arg] = sbatch_arguments(line, old=old)
+        name, _, value = arg.partition("=")
+        assert sbatch.setdefault(name, value) == value, (line, old)
+  assert sbatch["--job-name"] == AWKWARD["--job_name"]
+  assert sbatch["--account"] == AWKWARD["--account"]
+  assert sbatch["--partition"] == AWKWARD["--partition"]
+  assert sbatch["--output"] == f"{tmp_path}/l#gs/%x-%j.out"
+  assert sbatch["--signal"] == "USR1@90" and "#SBATCH --signal=USR1@90" in text
+  # The command line: a shell round trip gives back every argument.
+  [srun] = [l for l in text.splitlines() if l.startswith("srun ")]
+  assert shlex.split(srun)[2:] == [
+      "python3", "-m", "darl_jax.main", "--config=experiments/vit_l16_diff.py",
+      f"--workdir={workdir}", "--config.data.name=it's #1 \"x\"", "||", "status=$?"]
+  env = stand_in(tmp_path, "srun", f'printf "%s\\n" "$@" > "{tmp_path}/srun_args"')
+  (tmp_path / "job.sbatch").write_text(text.replace(f"cd {shlex.quote(str(ROOT))}", "cd ."))
+  proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  assert (tmp_path / "srun_args").read_text().splitlines()[-2:] == [
+      f"--workdir={workdir}", "--config.data.name=it's #1 \"x\""]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--account=acct\nsrun rm -rf ~"], ["--job_name=a\rb"], ["--partition=gpu\x1b"],
+    ["--workdir=/shared/a\nb"], ["--", "--config.data.name=a\nb"]])
+def test_slurm_refuses_newlines_and_control_characters(capsys, argv):
+  base = ["--config=experiments/vit_l16_diff.py", "--dry_run"]
+  if not any(a.startswith("--workdir") for a in argv):
+    base.append("--workdir=/shared/l16")
+  if argv[0] == "--":
+    argv = base + argv
+  else:
+    argv = argv + base
+  message = fail(slurm, capsys, *argv)
+  assert message.startswith("error: ") and "\n" not in message
+  assert "newline or another control character" in message and "remove it" in message
+  assert "SBATCH" not in capsys.readouterr().out
 
 
 def _slurm(capsys, *argv):
@@ -605,7 +716,10 @@ def test_tpu_vm_gcloud_lines_use_documented_flags_and_quote_spaces(capsys):
     assert _flag_names(cmd[5:]) <= GCLOUD_TPU_VM_FLAGS[cmd[4]], cmd
   create, scp, setup, train = gcloud
   assert create[5] == "t1" and "--accelerator-type=v5p-16" in create and "--spot" in create
-  assert scp[5:7] == ["/tmp/darl_jax_t1.tar.gz", "t1:darl_jax.tar.gz"]
+  [tar] = [c for c in cmds if c[0] == "tar"]
+  assert scp[5] == tar[2] and scp[6] == "t1:darl_jax.tar.gz"
+  assert os.path.dirname(scp[5]) != tempfile.gettempdir()     # a private folder, gone
+  assert not os.path.exists(os.path.dirname(scp[5]))
   remote = shlex.split(setup[7].removeprefix("--command="))
   assert remote[:3] == ["mkdir", "-p", "~/my code"]   # the remote bash expands ~/'my code'
   remote = shlex.split(train[7].removeprefix("--command="))

@@ -166,6 +166,7 @@ class FewShotEval:
     self.num_classes = self.support_source.num_classes
     if self.num_classes <= 1:
       raise ValueError(f"few-shot evaluation needs labels; {data_cfg.name} has none")
+    data_lib.check_labels(self.query_source, self.num_classes, fewshot_cfg.query_split)
     self.batch_size = fewshot_cfg.batch_size or batch_size
 
   def scores(self, params) -> dict:

@@ -336,6 +336,7 @@ def run(config, workdir: str) -> dict:
     num_classes = train_source.num_classes
     if num_classes <= 1:
       raise ValueError(f"{config.data.name} has no class labels; a kNN classifier needs labels")
+    data_lib.check_labels(eval_source, num_classes, config.data.eval_split)
     backbone, patch = vit_lib.vit_from_config(config.model)
     poolings = tuple(cfg.poolings)
     blocks = chosen_blocks(cfg.blocks, backbone.depth)
@@ -355,7 +356,8 @@ def run(config, workdir: str) -> dict:
     rows = sharding_lib.batch_sharding(mesh)
     started = time.time()
 
-    max_test = config.eval_max_batches * batch if config.eval_max_batches else 0
+    # Batches of batch_size, as every evaluation counts them (loop.eval_cap).
+    max_test = config.eval_max_batches * config.batch_size
     test_x, test_y = linear_probe.collect_features(feats, params, eval_source, batch,
                                                    max_test, rows)
     scorer = Scorer(mesh, np.asarray(test_x, np.float32), cfg.ks, cfg.test_chunk_size)

@@ -50,6 +50,7 @@ Every error is one ``error:`` line, with darl_jax/cli.py's exit statuses
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from typing import Callable
 
@@ -60,6 +61,7 @@ from etils import epath
 from darl_jax import cli as cli_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
+from darl_jax import workdir as workdir_lib
 from darl_jax.data import vtab_tasks
 from darl_jax.train import finetune
 from darl_jax.train import programs
@@ -72,6 +74,7 @@ PAPER_SWEEP = {
     "layer_decay": [0.7, 0.8, 0.9],
 }
 AUGMENTS = ("spatial", "randaug_mixup")
+JOB = "vtab"      # the suite folder's job kind (its config.json)
 
 
 def vtab_config() -> ml_collections.ConfigDict:
@@ -218,9 +221,18 @@ def results_table(results: list[dict], programs_line: str = "") -> str:
 
 
 def run_suite(config, workdir, runner: Callable = run_one) -> list[dict]:
-  """Runs ``config.vtab.tasks``; writes ``vtab_results.md`` and ``.json`` in ``workdir``."""
-  workdir = epath.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  """Runs ``config.vtab.tasks``; writes ``vtab_results.md`` and ``.json`` in ``workdir``.
+
+  The suite's folder is checked as a run's workdir is (darl_jax/workdir.py):
+  never inside the pretraining run it reads (``init_from``), never a
+  workdir of another job kind; its ``config.json`` records the kind ``vtab``.
+  """
+  workdir_lib.check_not_in_source(str(workdir), config.get("init_from", ""))
+  workdir = workdir_lib.prepare(workdir)
+  workdir_lib.check_job(workdir, JOB)
+  files.write_text_atomic(workdir / workdir_lib.CONFIG_NAME, json.dumps(
+      {**config.to_dict(), workdir_lib.JOB_KEY: JOB}, indent=2, sort_keys=True,
+      default=str) + "\n")
   if not config.get("compilation_cache_dir") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     logging.warning("compilation_cache_dir is empty: every VTAB run compiles its own "
                     "programs; set it (e.g. ~/.cache/darl_jax/jax) to share them")
