@@ -16,8 +16,8 @@ that restores, and moves each damaged one aside to
 ``<workdir>/checkpoints.damaged/<step>`` (numbered ``<step>.1``, ``<step>.2``,
 ... when that name is taken: nothing there is ever overwritten; kept for
 inspection, out of the way of keep-N and of later runs; delete it when done).
-Readers (``restore_params``) skip damaged steps the same way but never move
-anything.
+Readers (``restore_params``, ``read_meta``) skip damaged steps the same way
+(and only those: ``read_retried``) but never move anything.
 
 Only definite damage moves a checkpoint (``read_failure``): a missing item or
 file (Orbax's "Item ... was not found", ``FileNotFoundError``, tensorstore's
@@ -357,6 +357,12 @@ def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
       p.copy(dst / p.name)
 
 
+def _state_metadata(metadata) -> Any:
+  """The state item's entry of a step's ``item_metadata``; None where it has
+  none (a missing ``state/`` or no readable ``_METADATA``: damage)."""
+  return metadata[STATE_ITEM] if STATE_ITEM in metadata else None
+
+
 def _item_handlers(state_handler: ocp.CheckpointHandler) -> dict[str, Any]:
   # Registering the handlers up front (instead of letting the first save/restore
   # infer them from the args) lets a fresh manager answer item_metadata()
@@ -389,6 +395,44 @@ def _copy_json(meta: dict) -> dict:
 # A transient read error is retried after these waits, within the budget.
 READ_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
 READ_RETRY_BUDGET_S = 60.0
+
+
+def read_retried(read: Callable[[], Any], where: str, delays, *,
+                 damaged: Callable[[BaseException], BaseException], unknown: str,
+                 persisted: str) -> Any:
+  """``read()`` of ``where`` (a part of one checkpoint), sorted by ``read_failure``.
+
+  Definite damage raises ``damaged(error)``. A transient storage error is
+  retried after each of ``delays`` seconds while the retries stay within
+  ``READ_RETRY_BUDGET_S`` of the first failure, then raises CheckpointReadError
+  (``transient``) ending in ``persisted``; any other error raises
+  CheckpointReadError ending in ``unknown``. A signal passes through. The
+  caller decides what damage means (the training run moves the checkpoint
+  aside, a reader skips it); nothing else may make it read an older one.
+  """
+  delays = list(delays)
+  first_failure, attempts = None, 0
+  while True:
+    attempts += 1
+    try:
+      return read()
+    except Exception as e:  # pylint: disable=broad-except
+      kind = read_failure(e)
+      if kind == "damage":
+        raise damaged(e) from e
+      if kind != "transient":
+        raise CheckpointReadError(f"cannot read {where}: {_short(e)}. {unknown}") from e
+      first_failure = first_failure if first_failure is not None else time.monotonic()
+      spent = time.monotonic() - first_failure
+      if not delays or spent + delays[0] > READ_RETRY_BUDGET_S:
+        error = CheckpointReadError(
+            f"cannot read {where}: a storage error persisted over {attempts} attempts "
+            f"({spent:.0f} s): {_short(e)}. {persisted}")
+        error.transient = True
+        raise error from e
+      delay = delays.pop(0)
+      logging.warning("reading %s failed (%s); retrying in %g s", where, _short(e), delay)
+      time.sleep(delay)
 
 
 class Checkpointer:
@@ -660,38 +704,16 @@ class Checkpointer:
     return target
 
   def _read(self, step: int, what: str, read: Callable[[], Any]) -> Any:
-    """``read()`` of checkpoint ``step``'s ``what``, retried after a transient
-    storage error (``read_failure``). Raises ``_Damaged`` for definite damage
-    and CheckpointReadError for the rest; a signal passes through."""
-    delays = list(self._read_retry_delays)
-    first_failure, attempts = None, 0
-    while True:
-      attempts += 1
-      try:
-        return read()
-      except Exception as e:  # pylint: disable=broad-except
-        kind = read_failure(e)
-        if kind == "damage":
-          raise _Damaged(f"its {what} cannot be read: {_short(e)}") from e
-        where = f"the {what} of the checkpoint at step {step} in {self._directory}"
-        if kind != "transient":
-          raise CheckpointReadError(
-              f"cannot read {where}: {_short(e)}. Not a known kind of damage, so it stays "
-              f"where it is: fix the cause and rerun, or move {self._directory / str(step)} "
-              f"into {self._directory.parent / DAMAGED_DIR} to resume from the checkpoint "
-              "before it") from e
-        first_failure = first_failure if first_failure is not None else time.monotonic()
-        spent = time.monotonic() - first_failure
-        if not delays or spent + delays[0] > READ_RETRY_BUDGET_S:
-          error = CheckpointReadError(
-              f"cannot read {where}: a storage error persisted over {attempts} attempts "
-              f"({spent:.0f} s): {_short(e)}. Nothing was moved; rerun the same command "
-              "once the storage answers")
-          error.transient = True
-          raise error from e
-        delay = delays.pop(0)
-        logging.warning("reading %s failed (%s); retrying in %g s", where, _short(e), delay)
-        time.sleep(delay)
+    """``read()`` of checkpoint ``step``'s ``what`` (``read_retried``): raises
+    ``_Damaged`` for definite damage and CheckpointReadError for the rest."""
+    return read_retried(
+        read, f"the {what} of the checkpoint at step {step} in {self._directory}",
+        self._read_retry_delays,
+        damaged=lambda e: _Damaged(f"its {what} cannot be read: {_short(e)}"),
+        unknown=f"Not a known kind of damage, so it stays where it is: fix the cause and "
+        f"rerun, or move {self._directory / str(step)} into "
+        f"{self._directory.parent / DAMAGED_DIR} to resume from the checkpoint before it",
+        persisted="Nothing was moved; rerun the same command once the storage answers")
 
   def restore_newest(self, abstract_state: Any, check_meta: Callable[[dict], None]
                      = lambda meta: None) -> tuple[int, Any, dict] | None:
@@ -737,8 +759,8 @@ class Checkpointer:
     meta = self._read(step, "meta", lambda: self.restore_meta(step))
     check_meta(meta)
     try:
-      saved = self._read(step, "state metadata", lambda: self._manager.item_metadata(step))
-      saved = saved[STATE_ITEM] if STATE_ITEM in saved else None
+      saved = _state_metadata(
+          self._read(step, "state metadata", lambda: self._manager.item_metadata(step)))
       if saved is None:
         raise _Damaged(f"its {STATE_ITEM}/ is missing or has no readable metadata "
                        "(_METADATA)")
@@ -797,18 +819,23 @@ def _resolve_checkpoint_dir(path: epath.Path,
 
 
 def restore_params(path_or_workdir: str, *, step: int | None = None,
-                   use_ema: bool | None = False) -> tuple[Any, dict]:
+                   use_ema: bool | None = False,
+                   read_retry_delays: tuple[float, ...] | None = None) -> tuple[Any, dict]:
   """Loads ``state["params"]`` of a DARL checkpoint onto host as numpy arrays.
 
   Args:
     path_or_workdir: a training workdir (``<workdir>/checkpoints`` is used), a
       checkpoints directory, or one step directory ``.../checkpoints/<step>``.
     step: which step to load from a workdir / checkpoints directory; None means
-      the newest checkpoint that reads (damaged newer ones are skipped with a
-      warning, and left in place).
+      the newest checkpoint that reads (newer ones with definite damage,
+      ``read_failure``, are skipped with a warning, and left in place).
     use_ema: False: the parameters; True: the EMA of the parameters
       (darl_jax/ema.py; ``ema.MissingEmaError`` where the checkpoint has
       none); None: the EMA where the checkpoint has one, else the parameters.
+    read_retry_delays: the waits before each retry of a read that failed
+      with a transient storage error (default ``READ_RETRY_DELAYS_S``); one
+      that persists, or an error of unknown kind, raises CheckpointReadError:
+      an older checkpoint is never read in place of one that may be good.
 
   Returns:
     ``(params, meta)``: params as nested dicts of ``np.ndarray`` (dtypes as
@@ -823,11 +850,12 @@ def restore_params(path_or_workdir: str, *, step: int | None = None,
   typically 2x the parameter bytes, are skipped).
   """
   manager, ckpt_dir, step, candidates = _open_reader(path_or_workdir, step)
+  read = _reader_read(manager, ckpt_dir, read_retry_delays)
   try:
     problems = []
     for s in candidates:
       try:
-        params, meta, weights = _read_params(manager, ckpt_dir, s, use_ema)
+        params, meta, weights = _read_params(manager, ckpt_dir, s, use_ema, read)
       except CheckpointDamagedError as e:
         problems.append(str(e))
         if step is None:
@@ -842,25 +870,29 @@ def restore_params(path_or_workdir: str, *, step: int | None = None,
                                + "; ".join(problems))
 
 
-def read_meta(path_or_workdir: str, *, step: int | None = None) -> tuple[int, dict]:
+def read_meta(path_or_workdir: str, *, step: int | None = None,
+              read_retry_delays: tuple[float, ...] | None = None) -> tuple[int, dict]:
   """``(step, meta)`` of a checkpoint without reading its arrays: ``step`` or
-  the newest one whose meta and state metadata read (damaged ones skipped,
-  as in restore_params). For readers that need the stored config before the
-  parameters (sampling builds its model from it); they then read the
-  parameters of exactly this step."""
+  the newest one whose meta and state metadata read (definite damage
+  skipped, other errors raised, as in restore_params). For readers that need
+  the stored config before the parameters (sampling builds its model from
+  it); they then read the parameters of exactly this step."""
   manager, ckpt_dir, step, candidates = _open_reader(path_or_workdir, step)
+  read = _reader_read(manager, ckpt_dir, read_retry_delays)
   try:
     problems = []
     for s in candidates:
       try:
-        meta = manager.restore(
-            s, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
-        if manager.item_metadata(s)[STATE_ITEM] is None:
-          raise ValueError(f"its {STATE_ITEM}/ has no readable metadata (_METADATA)")
-      except Exception as e:  # pylint: disable=broad-except
-        problems.append(f"checkpoint {ckpt_dir}/{s} is damaged: {_short(e)}")
+        meta = read(s, "meta", lambda s=s: manager.restore(
+            s, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM])
+        if _state_metadata(read(s, "state metadata",
+                                lambda s=s: manager.item_metadata(s))) is None:
+          raise CheckpointDamagedError(f"checkpoint {ckpt_dir}/{s} is damaged: its "
+                                       f"{STATE_ITEM}/ has no readable metadata (_METADATA)")
+      except CheckpointDamagedError as e:
+        problems.append(str(e))
         if step is None:
-          logging.warning("skipping %s", problems[-1])
+          logging.warning("skipping %s", e)
         continue
       return s, dict(meta or {})
   finally:
@@ -868,13 +900,34 @@ def read_meta(path_or_workdir: str, *, step: int | None = None) -> tuple[int, di
   raise CheckpointDamagedError("; ".join(problems))
 
 
+def _reader_read(manager, ckpt_dir: epath.Path,
+                 delays: tuple[float, ...] | None) -> Callable[..., Any]:
+  """``read(step, what, fn)``: ``fn()`` through ``read_retried`` for the
+  readers, whose answer to definite damage is CheckpointDamagedError (the
+  walk skips the step, and moves nothing)."""
+  delays = READ_RETRY_DELAYS_S if delays is None else tuple(delays)
+  steps = ", ".join(str(s) for s in sorted(manager.all_steps()))
+
+  def read(step: int, what: str, fn: Callable[[], Any]) -> Any:
+    return read_retried(
+        fn, f"the {what} of the checkpoint {ckpt_dir}/{step}", delays,
+        damaged=lambda e: CheckpointDamagedError(
+            f"checkpoint {ckpt_dir}/{step} is damaged: {_short(e)}"),
+        unknown="Not a known kind of damage, so no older checkpoint is read in its place: "
+        "fix the cause and rerun, or ask for an earlier step (--step of the export, "
+        f"--config.init_step of a downstream job; steps here: {steps})",
+        persisted="No older checkpoint was read in its place; rerun the same command once "
+        "the storage answers")
+  return read
+
+
 def _open_reader(path_or_workdir: str, step: int | None):
   """``(manager, checkpoints dir, step, steps to try)`` for a reader of
   ``path_or_workdir`` (``step`` as asked, or a step directory's): ``[step]``
-  when there is one, else every step newest first,
-  step, so that a damaged newest checkpoint is skipped (and left where it
-  is: a training run may own this directory; the run itself moves damaged
-  ones aside). The caller closes the manager."""
+  when there is one, else every step newest first, so that a damaged newest
+  checkpoint is skipped (and left where it is: a training run may own this
+  directory; the run itself moves damaged ones aside). The caller closes the
+  manager."""
   path = absolute_path(path_or_workdir)
   ckpt_dir, step = _resolve_checkpoint_dir(path, step)
   # A plain (non read-only) manager with create=False writes nothing unless
@@ -898,15 +951,13 @@ def _open_reader(path_or_workdir: str, step: int | None):
   return manager, ckpt_dir, step, ([int(step)] if step is not None else steps[::-1])
 
 
-def _read_params(manager, ckpt_dir, step: int, use_ema: bool | None = False):
+def _read_params(manager, ckpt_dir, step: int, use_ema: bool | None, read):
   """``(params, meta, "params" | "ema")`` of one step (``use_ema`` as in
-  restore_params); CheckpointDamagedError if it cannot be read, KeyError if
-  it reads but holds no ``params`` (not a DARL state)."""
+  restore_params; ``read`` from ``_reader_read``); CheckpointDamagedError
+  for definite damage, CheckpointReadError for other read errors, KeyError
+  if it reads but holds no ``params`` (not a DARL state)."""
   where = f"checkpoint {ckpt_dir}/{step}"
-  try:
-    metadata = manager.item_metadata(step)[STATE_ITEM]
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointDamagedError(f"{where} is damaged: {_short(e)}") from e
+  metadata = _state_metadata(read(step, "state metadata", lambda: manager.item_metadata(step)))
   if metadata is None:
     raise CheckpointDamagedError(f"{where} is damaged: its {STATE_ITEM}/ has no "
                                  "readable metadata (_METADATA)")
@@ -932,16 +983,13 @@ def _read_params(manager, ckpt_dir, step: int, use_ema: bool | None = False):
     wanted = {"ema": tree["ema"]}
   restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
-  try:
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.PyTreeRestore(
-                item=wanted, restore_args=restore_args, partial_restore=True),
-            META_ITEM: ocp.args.JsonRestore(),
-        }))
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointDamagedError(f"{where} is damaged: {_short(e)}") from e
+  restored = read(step, "state", lambda: manager.restore(
+      step,
+      args=ocp.args.Composite(**{
+          STATE_ITEM: ocp.args.PyTreeRestore(
+              item=wanted, restore_args=restore_args, partial_restore=True),
+          META_ITEM: ocp.args.JsonRestore(),
+      })))
   state, meta = restored[STATE_ITEM], restored[META_ITEM]
   if not use_ema:
     return state["params"], meta, "params"

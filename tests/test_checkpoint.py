@@ -19,9 +19,10 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from darl_jax import checkpoint as checkpoint_lib
 from darl_jax.checkpoint import (DAMAGED_DIR, CheckpointDamagedError, Checkpointer,
                                  CheckpointReadError, CheckpointWriteError, StateMismatchError,
-                                 numbered, read_failure, restore_params)
+                                 numbered, read_failure, read_meta, restore_params)
 from xla_env import cpu_devices_flags
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -585,6 +586,116 @@ def test_damaged_copies_are_numbered_never_overwritten(three_checkpoints, tmp_pa
   assert numbered(kept / "metrics.jsonl") == kept / "metrics.jsonl"
   (kept / "metrics.jsonl").write_text("{}")
   assert numbered(kept / "metrics.jsonl") == kept / "metrics.1.jsonl"
+
+
+# --------------------- the readers (restore_params, read_meta) sort errors too
+
+
+def _reader_fails(monkeypatch, method, errors, step=3):
+  """Every reader's ``ocp.CheckpointManager.<method>`` of ``step`` (for
+  ``restore``: of the item the reader reads first, state or meta) raises
+  ``errors`` one by one, then reads; returns the list of attempts."""
+  import orbax.checkpoint as ocp
+  attempts = []
+  real = getattr(ocp.CheckpointManager, method)
+
+  def read(self, s, *args, **kwargs):
+    if s == step:
+      attempts.append(s)
+      if errors:
+        raise errors.pop(0)
+    return real(self, s, *args, **kwargs)
+  monkeypatch.setattr(ocp.CheckpointManager, method, read)
+  return attempts
+
+
+_EIO = OSError(errno.EIO, "Input/output error")
+_READERS = {
+    "restore_params": lambda wd, **kw: restore_params(wd, **kw)[1]["step"],
+    "read_meta": lambda wd, **kw: read_meta(wd, **kw)[0],
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
+@pytest.mark.parametrize("method", ["restore", "item_metadata"])
+def test_a_reader_retries_a_transient_error_and_never_falls_back_past_it(
+    three_checkpoints, tmp_path, monkeypatch, caplog, reader, method):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  read = _READERS[reader]
+  # Fails once, then reads: the newest checkpoint, not the one before it.
+  attempts = _reader_fails(monkeypatch, method, [_EIO])
+  assert read(str(tmp_path), read_retry_delays=(0.01, 0.01)) == 3
+  assert len(attempts) == 2 and "retrying in 0.01 s" in caplog.text
+  assert "skipping" not in caplog.text
+  # Fails on every attempt: one error, and no older step is read instead.
+  monkeypatch.undo()
+  attempts = _reader_fails(monkeypatch, method, [_EIO] * 10)
+  with pytest.raises(CheckpointReadError, match=(
+      rf"cannot read the .* of the checkpoint {d}/3: a storage error persisted over 3 "
+      r"attempts .*No older checkpoint was read in its place; rerun the same command")) as e:
+    read(str(tmp_path), read_retry_delays=(0.01, 0.01))
+  assert e.value.transient and "\n" not in str(e.value) and len(attempts) == 3
+  assert "skipping" not in caplog.text
+  # The default waits come from READ_RETRY_DELAYS_S, read when called.
+  monkeypatch.setattr(checkpoint_lib, "READ_RETRY_DELAYS_S", (0.01,))
+  attempts.clear()
+  with pytest.raises(CheckpointReadError, match="persisted over 2 attempts"):
+    read(str(tmp_path))
+  assert attempts == [3, 3] and sorted(os.listdir(d)) == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
+def test_a_reader_stops_at_an_unknown_error_or_a_signal(three_checkpoints, tmp_path,
+                                                       monkeypatch, caplog, reader):
+  from darl_jax import interrupts
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  read = _READERS[reader]
+  attempts = _reader_fails(monkeypatch, "restore", [
+      RuntimeError("INTERNAL: out of host memory"), interrupts.Terminated(),
+      KeyboardInterrupt()])
+  with pytest.raises(CheckpointReadError, match=(
+      rf"cannot read the .* of the checkpoint {d}/3: RuntimeError: INTERNAL: out of host "
+      r"memory. Not a known kind of damage, so no older checkpoint is read in its place: "
+      r"fix the cause and rerun, or ask for an earlier step \(--step of the export, "
+      r"--config.init_step of a downstream job; steps here: 1, 2, 3\)$")) as e:
+    read(str(tmp_path), read_retry_delays=(0.01,))
+  assert not e.value.transient
+  for signal_raised in (interrupts.Terminated, KeyboardInterrupt):
+    with pytest.raises(signal_raised):
+      read(str(tmp_path), read_retry_delays=(0.01,))
+  assert attempts == [3, 3, 3] and "skipping" not in caplog.text
+  assert sorted(os.listdir(d)) == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
+@pytest.mark.parametrize("damage", ["zeroed meta", "no _METADATA", "no state item"])
+def test_a_reader_skips_definite_damage_with_one_warning(three_checkpoints, tmp_path, caplog,
+                                                        reader, damage):
+  d = tmp_path / "checkpoints"
+  shutil.copytree(three_checkpoints, d)
+  DAMAGE[damage](d / "3")
+  read = _READERS[reader]
+  assert read(str(tmp_path), read_retry_delays=(0.01,)) == 2
+  skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+  assert len(skipped) == 1 and f"checkpoint {d}/3 is damaged: " in skipped[0], skipped
+  assert "retrying" not in caplog.text and (d / "3").exists()
+  with pytest.raises(CheckpointDamagedError, match=f"checkpoint {d}/3 is damaged"):
+    read(str(tmp_path), step=3, read_retry_delays=(0.01,))
+
+
+def test_the_export_stops_at_a_storage_error_instead_of_reading_an_older_step(
+    three_checkpoints, tmp_path, monkeypatch):
+  from darl_jax import export
+  shutil.copytree(three_checkpoints, tmp_path / "checkpoints")
+  monkeypatch.setattr(checkpoint_lib, "READ_RETRY_DELAYS_S", (0.01,))
+  _reader_fails(monkeypatch, "restore", [_EIO] * 10)
+  # Not turned into an ExportError about the checkpoint: the CLI reports the
+  # storage error as it is, and writes nothing.
+  with pytest.raises(CheckpointReadError, match="a storage error persisted over 2 attempts"):
+    export.export(str(tmp_path), str(tmp_path / "out.safetensors"))
+  assert not (tmp_path / "out.safetensors").exists()
 
 
 # ------------------------------------------------------ failed writes
