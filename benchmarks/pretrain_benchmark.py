@@ -44,7 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from darl_jax import config_lib, flops, ops  # noqa: E402
 from darl_jax.models import darl as darl_lib  # noqa: E402
-from darl_jax.train import loop, pretrain  # noqa: E402
+from darl_jax.train import loop  # noqa: E402
+from darl_jax.train.trainers import pretrain  # noqa: E402
 
 # The fastest batch that fits an 80 GB H100 for each model (benchmarks/RESULTS.md);
 # a case that does not fit is reported and skipped.

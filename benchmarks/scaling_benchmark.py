@@ -44,7 +44,8 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from darl_jax import config_lib, memory, ops  # noqa: E402
-from darl_jax.train import loop, pretrain  # noqa: E402
+from darl_jax.train import loop  # noqa: E402
+from darl_jax.train.trainers import pretrain  # noqa: E402
 
 MODES = {  # mode -> (rules, mesh for n devices)
     "dp": ("replicated", lambda n: {"data": n, "fsdp": 1, "tensor": 1}),

@@ -104,7 +104,7 @@ class Report:
   batch_size: int
   microbatch_size: int
   hbm: float | None
-  train: object                 # aot.Footprint
+  train: object                 # fit.Footprint
   eval: object | None
   estimate: str | None
   model_flops: float | None     # per step, all chips
@@ -260,22 +260,28 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   from darl_jax import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from darl_jax.train import accumulate  # pylint: disable=g-import-not-at-top
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
-  from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import setup as setup_lib  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import startup  # pylint: disable=g-import-not-at-top
   from darl_jax.train.trainers import get_trainer  # pylint: disable=g-import-not-at-top
 
   config = for_compile(config)
   trainer = get_trainer(config.trainer)(config)
-  built = loop.setup(trainer, config, devices=devices)
+  built = setup_lib.setup(trainer, config, devices=devices)
   device = devices[0]
-  hbm = aot.device_capacity(device, config.get("device_memory_gib", 0.0))
+  hbm = fit.device_capacity(device, config.get("device_memory_gib", 0.0))
   mesh = dict(built.mesh.shape)
-  fits, message, compile_seconds = True, "", None
+  fits, message, compile_seconds, resolved = True, "", None, None
   try:
-    compiled, info = loop.compile_train_step(built, config, device=device, reuse=False)
+    # The run's sizes as the loop decides them (fit.resolve), then its step.
+    compiled, info = startup.compile_train_step(
+        built, config, device=device, reuse=False,
+        resolved=startup.resolve(built, config, device))
     fp = info["footprint"]
-    microbatch = info["microbatch_size"]
+    resolved = info["resolved"]
+    microbatch = resolved.microbatch
     compile_seconds = sum(info.get(f"{k}_s", 0.0) for k in ("trace", "lower", "compile"))
-  except aot.DoesNotFit as e:
+  except fit.DoesNotFit as e:
     # The footprint of the last step compiled (at microbatch_size=-1 the
     # size the choice stopped at, which the message names a fix for), for
     # the report; the TPU compiler refuses such a step, and then only its
@@ -293,8 +299,8 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
         compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
                                        built.abstract_state, built.abstract_batch,
                                        built.abstract_hyper)
-        fp = aot.footprint(compiled)
-      except aot.CompilerOutOfMemory as oom:
+        fp = fit.footprint(compiled)
+      except fit.CompilerOutOfMemory as oom:
         compiled, fp = None, oom.footprint
   cost = compiled.cost_analysis() if compiled is not None else None
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -310,9 +316,11 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
 
   eval_fp = None
   h, w, c = built.ctx.train_source.image_shape
-  # The evaluation batch the run uses: under gradient accumulation the
-  # microbatch (train/startup.py), else the batch.
-  eval_size = config.eval_batch_size or min(microbatch, config.batch_size)
+  # The evaluation batch the run uses (fit.resolve: under gradient
+  # accumulation the microbatch, else the batch).
+  if resolved is None:
+    resolved = fit.resolve(config, batch_shards=built.batch_shards, microbatch=microbatch)
+  eval_size = resolved.eval_batch
   eval_batch = aot.abstract_batch(built.ctx.train_source.image_shape, eval_size,
                                   built.batch_sharding)
   eval_batch["mask"] = jax.ShapeDtypeStruct((eval_size,), jax.numpy.bool_,
@@ -323,7 +331,7 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
     state = built.abstract_state
     eval_compiled = built.eval_step.lower(state["params"], state["model_state"],
                                           eval_batch).compile()
-    eval_fp = aot.footprint(eval_compiled)
+    eval_fp = fit.footprint(eval_compiled)
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("the evaluation step did not compile for %s: %s", topology, e)
 
@@ -339,7 +347,7 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   return Report(topology=topology, chips=len(devices), device_kind=device.device_kind,
                 mesh=mesh, batch_size=config.batch_size, microbatch_size=microbatch,
                 hbm=hbm, train=fp, eval=eval_fp,
-                estimate=aot.describe_estimate(config, mesh, microbatch),
+                estimate=fit.describe_estimate(config, mesh, microbatch),
                 model_flops=model_flops, xla_seconds=seconds, fits=fits,
                 message=message, compile_seconds=compile_seconds)
 

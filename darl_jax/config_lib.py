@@ -29,7 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 128
   # 0: batch_size, or under gradient accumulation (microbatch_size) the
   # microbatch: the whole batch never runs at once there, and evaluating it
-  # in one program can need more memory than the device has (train/startup.py).
+  # in one program can need more memory than the device has (train/fit.py).
   c.eval_batch_size = 0
   c.total_steps = 0              # > 0 overrides total_epochs
   c.total_epochs = 1.0
@@ -65,7 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Gradient accumulation (train/accumulate.py): global examples per
   # microbatch. 0 = the whole batch at once; -1 = the largest microbatch
   # that fits the device, chosen from memory.py's estimate before anything
-  # compiles and checked on the compiled step (train/aot.py; on a CPU, whose
+  # compiles and checked on the compiled step (train/fit.py; on a CPU, whose
   # memory is not checked, the whole batch). The recipe (batch, learning
   # rate, schedule, EMA) is batch_size's either way.
   c.microbatch_size = 0
@@ -154,7 +154,7 @@ def pretrain_config() -> ml_collections.ConfigDict:
 def probe_eval_config() -> ml_collections.ConfigDict:
   """``config.probe_eval``: a closed-form ridge probe on frozen mean-pooled
   features, fitted at every evaluation of a pretraining run and logged as
-  ``val_probe_accuracy`` (train/linear_probe.py). Off by default."""
+  ``val_probe_accuracy`` (train/trainers/linear_probe.py). Off by default."""
   return ml_collections.ConfigDict({
       "enabled": False, "train_split": "train", "eval_split": "validation",
       "num_train_examples": 5000, "num_eval_examples": 2000, "l2": 1e-3,
@@ -163,7 +163,7 @@ def probe_eval_config() -> ml_collections.ConfigDict:
 
 def fewshot_eval_config() -> ml_collections.ConfigDict:
   """``config.fewshot_eval``: few-shot linear classification as big_vision
-  evaluates during pretraining (train/fewshot.py): closed-form ridge
+  evaluates during pretraining (train/jobs/fewshot.py): closed-form ridge
   regression of one-hot targets on frozen, mean-pooled features of
   ``shots`` examples per class drawn from ``support_split`` (one draw per
   seed ``0 .. num_seeds - 1``), scored on the first ``num_query_examples``

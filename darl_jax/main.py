@@ -3,8 +3,8 @@
 Runs the job named by ``config.trainer``: a trainer from the explicit registry
 ``trainers()`` (its loss is its ``loss_fn``; pretraining's is
 darl_jax/objectives.py) handed to the shared loop, or a job's own driver
-(sampling, train/sample.py; few-shot scoring of a checkpoint,
-train/fewshot.py). Rerunning the same command on the same workdir resumes
+(sampling, train/jobs/sample.py; few-shot scoring of a checkpoint,
+train/jobs/fewshot.py). Rerunning the same command on the same workdir resumes
 from the newest complete checkpoint.
 
 Every error is one ``error:`` line on stderr. Exit status (darl_jax/cli.py,
@@ -32,7 +32,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 
 def trainers():
-  """name -> Trainer class of the shared loop (train/trainers.py). Imported
+  """name -> Trainer class of the shared loop (train/trainers/__init__.py). Imported
   here, not at the top, so that ``--help`` and a config error come before
   JAX's import; a typo still fails before any work."""
   from darl_jax.train import trainers as trainers_lib
@@ -45,18 +45,18 @@ def get_trainer(name: str):
 
 
 def get_job(name: str):
-  """``config.trainer`` -> ``run(config, workdir)``: sampling (train/sample.py)
-  and few-shot scoring of a checkpoint (train/fewshot.py) have drivers of
+  """``config.trainer`` -> ``run(config, workdir)``: sampling (train/jobs/sample.py)
+  and few-shot scoring of a checkpoint (train/jobs/fewshot.py) have drivers of
   their own, nothing to train; every other name is a Trainer run by the
   shared loop."""
   if name == "sample":
-    from darl_jax.train import sample
+    from darl_jax.train.jobs import sample
     return sample.run
   if name == "fewshot":
-    from darl_jax.train import fewshot
+    from darl_jax.train.jobs import fewshot
     return fewshot.run
   if name == "knn":
-    from darl_jax.train import knn
+    from darl_jax.train.jobs import knn
     return knn.run
   trainer_class = get_trainer(name)
   from darl_jax.train import loop
@@ -137,14 +137,15 @@ def main(argv):
     distributed.initialize()
   except ValueError as e:
     cli_lib.fail(cli_lib.one_line(e), cli_lib.FAILED)
-  from darl_jax.train import aot, loop
+  from darl_jax.train import fit
+  from darl_jax.train import trainer as trainer_lib
   # Ctrl-C and SIGTERM raise (once any checkpoint save under way has started),
   # so that the loop finishes that save and releases the workdir's lock;
   # cli_lib.report turns them into one line (130, 143).
   interrupts.install()
   try:
     get_job(config.trainer)(config, _WORKDIR.value)
-  except (aot.DoesNotFit, loop.NonFiniteError) as e:
+  except (fit.DoesNotFit, trainer_lib.NonFiniteError) as e:
     # A step too large for the device (a ConfigError, but the config is
     # valid: the devices are too small), a diverged run: the run's failure,
     # status 1, its message names the fix.

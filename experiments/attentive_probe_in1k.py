@@ -7,7 +7,7 @@ Args: variant (B/16 | L/16 | H/14, must match the pretraining run), init,
 blocks (block indices joined by "+", negative from the end; default "-1",
 the last block; "-8+-1" reads two blocks, their tokens concatenated).
 
-Recipe (train/attentive_probe.py): the frozen causal backbone of the linear
+Recipe (train/trainers/attentive_probe.py): the frozen causal backbone of the linear
 probe (experiments/linear_probe_in1k.py), one learned query attending over
 the chosen blocks' patch tokens with the backbone's heads, BatchNorm without
 affine and a linear classifier; AdamW (0.9, 0.999), cosine with 5 warm-up
@@ -16,7 +16,7 @@ epochs, 90 epochs at batch 1024, label smoothing 0.1, spatial augmentation.
 By default a grid, as AIM (ml-l3m's probe_hparam_search) evaluates: base
 learning rates 3e-4, 1e-3, 3e-3 (x batch / 256) x weight decays 0.05, 0.3,
 six probes trained in one frozen pass and chosen on held-out training rows
-(min(2%, 10000); train/probe_grid.py). The held-out rows need an
+(min(2%, 10000); train/trainers/probe_grid.py). The held-out rows need an
 index-addressable source: imagenet2012 prepared as ArrayRecord (``tfds build
 imagenet2012 --file_format=array_record``) or an image folder. One setting:
 --config.probe.learning_rates='(1e-3,)' --config.probe.weight_decays='(0.05,)'.
@@ -28,7 +28,7 @@ scale here.
 """
 
 from darl_jax import config_lib
-from darl_jax.train import attentive_probe
+from darl_jax.train.trainers import attentive_probe
 
 LEARNING_RATES = (3e-4, 1e-3, 3e-3)
 WEIGHT_DECAYS = (0.05, 0.3)

@@ -30,7 +30,7 @@ should reach at least the linear probe's accuracy.
 """
 
 from darl_jax import config_lib
-from darl_jax.train import attentive_probe
+from darl_jax.train.trainers import attentive_probe
 
 
 def get_config(arg=None):

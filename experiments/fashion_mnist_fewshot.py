@@ -7,7 +7,7 @@ Run (after a pretraining run, e.g. experiments/fashion_mnist_diff.py):
 The model and the dataset come from the checkpoint's stored config. 1, 5,
 10 and 25 labelled training images per class (3 draws), ridge regression on
 the frozen, mean-pooled final features, scored on 2000 validation images
-(darl_jax/train/fewshot.py). Writes fewshot.json (accuracy per shot count
+(darl_jax/train/jobs/fewshot.py). Writes fewshot.json (accuracy per shot count
 and draw, mean, std, chosen L2 strengths) and one metrics.jsonl record at the
 checkpoint's step with the keys pretraining logs when ``fewshot_eval`` is on
 (``val_fewshot_<k>shot``). A minute or two on 2 CPU cores.
@@ -19,7 +19,7 @@ shots: the tests' smoke run on tests/tiny_config.py's checkpoint).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import fewshot
+from darl_jax.train.jobs import fewshot
 
 
 def get_config(arg=None):

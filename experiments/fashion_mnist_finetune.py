@@ -22,7 +22,7 @@ reaches 92.8% (docs/STUDIES.md, fmnist_long).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 
 
 def get_config(arg=None):

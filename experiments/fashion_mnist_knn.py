@@ -7,7 +7,7 @@ Without ``init`` it reads a random backbone (the baseline).
 Args: init, tiny (scikit-learn's 8x8 digits and the tiny model of
 tests/tiny_config.py: the tests' smoke run).
 
-Protocol (darl_jax/train/knn.py, DINO's): the linear probe's frozen causal
+Protocol (darl_jax/train/jobs/knn.py, DINO's): the linear probe's frozen causal
 pass (experiments/fashion_mnist_linear_probe.py), mean-pooled and
 L2-normalised features of every block, cosine similarity to the 55,000
 training images, votes weighted exp(sim / 0.07), k in {10, 20, 100, 200};
@@ -18,7 +18,7 @@ Expect: not measured yet (issue 55's reruns).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import knn
+from darl_jax.train.jobs import knn
 
 
 def get_config(arg=None):

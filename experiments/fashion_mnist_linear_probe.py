@@ -19,7 +19,7 @@ docs/PROBES.md.
 Learning rate: the paper's peak rate, 0.1 x 16384 / 256 = 6.4, kept at
 batch 256 rather than rescaled to 0.1: LARS moves a weight matrix by at most
 lr x 1e-3 of its norm per step, and a 300-step run needs the full rate (see
-darl_jax/train/linear_probe.py).
+darl_jax/train/trainers/linear_probe.py).
 
 Expect (docs/RESULTS.md, "Downstream at the minute scale", one seed): best
 block 78.0% after 600 steps of diffusion pretraining at batch 256 (MSE 74.7%,
@@ -28,7 +28,7 @@ after 40 epochs of a larger model (docs/STUDIES.md, fmnist_long).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import linear_probe
+from darl_jax.train.trainers import linear_probe
 
 
 def get_config(arg=None):

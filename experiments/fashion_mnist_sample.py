@@ -24,7 +24,7 @@ model). docs/SAMPLING.md has the measured table.
 Args (``--config=...py:steps=1000``): steps (sample.num_steps, T).
 """
 
-from darl_jax.train import sample
+from darl_jax.train.jobs import sample
 
 
 def get_config(arg=None):

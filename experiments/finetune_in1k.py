@@ -26,7 +26,7 @@ epochs), ImageNet top-1: ViT-B/16 MSE 82.7, diffusion 81.9; ViT-L/16 MSE
 
 from darl_jax import config_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 
 # variant -> (peak lr, {epochs: drop path}); paper table.
 RECIPES = {"B/16": (1e-3, {50: 0.0, 90: 0.0}),

@@ -5,7 +5,7 @@ Run:
       --workdir=gs://<bucket>/darl_vit_h14_diff_knn
 Args: variant (B/16 | L/16 | H/14, must match the pretraining run), init.
 
-Protocol (darl_jax/train/knn.py; DINO's and DINOv2's kNN evaluation):
+Protocol (darl_jax/train/jobs/knn.py; DINO's and DINOv2's kNN evaluation):
 the linear probe's frozen causal pass (experiments/linear_probe_in1k.py,
 unaugmented: the centre crop of evaluation for both splits), mean-pooled
 and L2-normalised features of every block, cosine similarity of each of the
@@ -20,7 +20,7 @@ neighbours, split over the devices (docs/PROBES.md).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import knn
+from darl_jax.train.jobs import knn
 
 
 def get_config(arg=None):

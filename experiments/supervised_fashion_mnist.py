@@ -14,7 +14,7 @@ experiments/fashion_mnist_diff.py, batch 128, base lr 1e-3 x batch / 256 (a
 """
 
 from darl_jax import config_lib
-from darl_jax.train import supervised
+from darl_jax.train.trainers import supervised
 
 
 def get_config(arg=None):

@@ -18,7 +18,7 @@ about 1 point).
 """
 
 from darl_jax import config_lib
-from darl_jax.train import supervised
+from darl_jax.train.trainers import supervised
 
 
 def get_config(arg=None):

@@ -23,6 +23,6 @@ def get_config(arg=None):
   del arg
   c = config_lib.imagenet_pretrain_config("B/16", "diffusion")
   # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
-  # from memory.py's estimate before anything compiles (train/aot.py).
+  # from memory.py's estimate before anything compiles (train/fit.py).
   c.microbatch_size = -1
   return c

@@ -24,6 +24,6 @@ def get_config(arg=None):
   c = config_lib.imagenet_pretrain_config("H/14", "diffusion")
   c.sharding = "fsdp"  # 632M parameters + Adam moments: shard them over `fsdp`
   # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
-  # from memory.py's estimate before anything compiles (train/aot.py).
+  # from memory.py's estimate before anything compiles (train/fit.py).
   c.microbatch_size = -1
   return c

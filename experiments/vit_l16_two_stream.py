@@ -30,6 +30,6 @@ def get_config(arg=None):
   c.model.two_stream = True
   c.model.ordering = args.order
   # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
-  # from memory.py's estimate before anything compiles (train/aot.py).
+  # from memory.py's estimate before anything compiles (train/fit.py).
   c.microbatch_size = -1
   return c

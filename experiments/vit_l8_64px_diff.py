@@ -33,6 +33,6 @@ def get_config(arg=None):
   c.loss.update(kind="diffusion", noise_a=1.0, noise_b=1.0, predict="x0")
   c.predictions.num_steps = 100
   # Batch 4096 on one GPU or a pod alike: the largest microbatch that fits,
-  # from memory.py's estimate before anything compiles (train/aot.py).
+  # from memory.py's estimate before anything compiles (train/fit.py).
   c.microbatch_size = -1
   return c

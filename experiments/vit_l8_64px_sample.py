@@ -18,7 +18,7 @@ per completion (benchmarks/sampling_benchmark.py measures images/s); raise
 batch_size for throughput, lower sample.num_steps for a quick look.
 """
 
-from darl_jax.train import sample
+from darl_jax.train.jobs import sample
 
 
 def get_config(arg=None):

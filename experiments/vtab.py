@@ -33,7 +33,7 @@ natural 88.7, specialized 92.2, structured 64.7.
 
 from darl_jax import config_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import vtab
+from darl_jax.train.jobs import vtab
 
 
 def get_config(arg=None):

@@ -16,10 +16,13 @@ import pytest
 
 from darl_jax import config_lib
 from darl_jax.train import accumulate
-from darl_jax.train import finetune
-from darl_jax.train import linear_probe
+from darl_jax.train.trainers import finetune
+from darl_jax.train.trainers import linear_probe
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train import fit
+from darl_jax.train import startup
+from darl_jax.train import feed as feed_lib
+from darl_jax.train.trainers import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -79,7 +82,7 @@ def one_step(trainer_cls, config, num_microbatches, *, steps=1):
   state = built.init_state()
   step = built.make_step(num_microbatches)
   for i in range(steps):
-    state, metrics = step(state, loop.to_global(host_batch(built, i), built.batch_sharding),
+    state, metrics = step(state, feed_lib.to_global(host_batch(built, i), built.batch_sharding),
                           built.hyper(i))
   return jax.device_get(state), jax.device_get(metrics)
 
@@ -178,9 +181,9 @@ def test_drop_path_draws_per_microbatch_from_its_own_key():
   trainer = finetune.FinetuneTrainer(config)
   built = loop.setup(trainer, config)
   state = built.init_state()
-  batch = loop.to_global(host_batch(built), built.batch_sharding)
+  batch = feed_lib.to_global(host_batch(built), built.batch_sharding)
   rng = jax.random.fold_in(built.base_rng, 0)
-  prepared = trainer.prepare_batch(built.model, loop.model_input(batch), rng, True)
+  prepared = trainer.prepare_batch(built.model, feed_lib.model_input(batch), rng, True)
   micro = accumulate.split(prepared, 2, 1)
 
   @jax.jit
@@ -225,8 +228,9 @@ def test_accumulated_run_resumes_bit_identically(tmp_path):
 
 def test_a_step_that_cannot_fit_stops_before_the_first_step_naming_the_fix(tmp_path):
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   config = pretrain_config("diffusion", device_memory_gib=0.004, eval_every_steps=0)
-  with pytest.raises(aot.DoesNotFit, match=r"set --config\.microbatch_size=\d+ "):
+  with pytest.raises(fit.DoesNotFit, match=r"set --config\.microbatch_size=\d+ "):
     loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "w"))
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
@@ -237,7 +241,7 @@ MIB = 2 ** 20
 
 
 class FakeCompiled:
-  """A compiled step as aot.footprint reads it: XLA's memory figures."""
+  """A compiled step as fit.footprint reads it: XLA's memory figures."""
 
   def __init__(self, microbatch, state=100 * MIB, per_example=10 * MIB):
     self.microbatch = microbatch
@@ -258,35 +262,38 @@ SIZES = [64, 32, 16, 8, 4, 2, 1]
 
 def test_first_microbatch_is_the_largest_whose_estimate_fits_with_its_error():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   estimate = linear_estimate()
   # CPU (no capacity): the whole batch, no accumulation.
-  assert aot.first_microbatch(estimate, SIZES, None) == 64
+  assert fit.first_microbatch(estimate, SIZES, None) == 64
   # 64 and 32 examples would fit the budget by the estimate alone, but not
   # with its 20% error: 16 is the first candidate.
-  capacity = int(estimate(32) / aot.FIT_FRACTION) + 1
-  assert aot.first_microbatch(estimate, SIZES, capacity) == 16
-  assert aot.first_microbatch(estimate, SIZES, 10 * capacity) == 64
+  capacity = int(estimate(32) / fit.FIT_FRACTION) + 1
+  assert fit.first_microbatch(estimate, SIZES, capacity) == 16
+  assert fit.first_microbatch(estimate, SIZES, 10 * capacity) == 64
   # The smallest fits only if the estimate is high: compiled, to let XLA decide.
-  tight = int(estimate(1) / aot.FIT_FRACTION)
-  assert aot.first_microbatch(estimate, SIZES, tight) == 1
+  tight = int(estimate(1) / fit.FIT_FRACTION)
+  assert fit.first_microbatch(estimate, SIZES, tight) == 1
 
 
 def test_a_batch_that_fits_at_no_microbatch_is_refused_naming_the_fixes():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   estimate = linear_estimate()
-  capacity = int(estimate(1) / aot.ESTIMATE_ERROR / aot.FIT_FRACTION) - 1
-  with pytest.raises(aot.DoesNotFit) as e:
-    aot.first_microbatch(estimate, SIZES, capacity, batch_shards=1, remat="none")
+  capacity = int(estimate(1) / fit.ESTIMATE_ERROR / fit.FIT_FRACTION) - 1
+  with pytest.raises(fit.DoesNotFit) as e:
+    fit.first_microbatch(estimate, SIZES, capacity, batch_shards=1, remat="none")
   text = str(e.value)
   assert "at any microbatch" in text and "--config.mesh.fsdp=" in text
   assert "--config.batch_size" in text and "--config.model.remat=full" in text
-  with pytest.raises(aot.DoesNotFit) as e:
-    aot.first_microbatch(estimate, SIZES, capacity, remat="full")
+  with pytest.raises(fit.DoesNotFit) as e:
+    fit.first_microbatch(estimate, SIZES, capacity, remat="full")
   assert "remat=full" not in str(e.value)
 
 
 def _choose(estimate, xla_per_example, capacity, first):
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   compiled = []
 
   def compile_for(b):
@@ -294,24 +301,26 @@ def _choose(estimate, xla_per_example, capacity, first):
     return FakeCompiled(b, per_example=xla_per_example)
 
   try:
-    return aot.choose_microbatch(compile_for, SIZES, capacity, first), compiled
-  except aot.DoesNotFit as e:
+    return fit.choose_microbatch(compile_for, SIZES, capacity, first), compiled
+  except fit.DoesNotFit as e:
     return e, compiled
 
 
 def test_the_choice_compiles_once_when_the_estimate_holds():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   estimate = linear_estimate()
-  capacity = int(estimate(32) / aot.FIT_FRACTION) + 1
-  first = aot.first_microbatch(estimate, SIZES, capacity)
+  capacity = int(estimate(32) / fit.FIT_FRACTION) + 1
+  first = fit.first_microbatch(estimate, SIZES, capacity)
   (size, chosen), compiled = _choose(estimate, 10 * MIB, capacity, first)
   assert size == first == 16 and compiled == [16] and chosen.microbatch == 16
 
 
 def test_the_choice_steps_down_once_by_the_compiled_figure():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   estimate = linear_estimate()            # XLA needs 3x the estimate's activations
-  capacity = int(estimate(32) / aot.FIT_FRACTION) + 1
+  capacity = int(estimate(32) / fit.FIT_FRACTION) + 1
   (size, _), compiled = _choose(estimate, 30 * MIB, capacity, 16)
   # 16 compiled to 100 MiB of state + 480 of temporaries, over the 399 MiB
   # budget; at 30 MiB per example 8 examples need 340 MiB: stepped down to 8.
@@ -319,42 +328,43 @@ def test_the_choice_steps_down_once_by_the_compiled_figure():
   # The temporaries of the second do not shrink as the first's foretold
   # (here: whatever the size, they stay): it stops after two compiles,
   # naming the fix.
-  capacity_small = int(estimate(8) / aot.FIT_FRACTION)
+  capacity_small = int(estimate(8) / fit.FIT_FRACTION)
 
   def stubborn(b):
     compiled.append(b)
     return FakeCompiled(16)
 
   compiled = []
-  with pytest.raises(aot.DoesNotFit, match="--config.microbatch_size=|remat=full") as e:
-    aot.choose_microbatch(stubborn, SIZES, capacity_small, 16)
+  with pytest.raises(fit.DoesNotFit, match="--config.microbatch_size=|remat=full") as e:
+    fit.choose_microbatch(stubborn, SIZES, capacity_small, 16)
   assert len(compiled) == 2
   # The refusal carries the last compile's size and footprint (a report
   # needs no compile of its own).
   assert e.value.microbatch == compiled[-1]
-  assert e.value.footprint.total == aot.footprint(FakeCompiled(16)).total
+  assert e.value.footprint.total == fit.footprint(FakeCompiled(16)).total
   # Nothing smaller can fit by the compiled figure: no second compile.
   error, compiled = _choose(estimate, 10 * MIB, 50 * MIB, 16)
-  assert isinstance(error, aot.DoesNotFit) and compiled == [16]
+  assert isinstance(error, fit.DoesNotFit) and compiled == [16]
   assert "no microbatch size fits" in str(error)
   assert error.microbatch == 16
-  assert error.footprint.total == aot.footprint(FakeCompiled(16, per_example=10 * MIB)).total
+  assert error.footprint.total == fit.footprint(FakeCompiled(16, per_example=10 * MIB)).total
 
 
 def test_the_choice_reads_the_tpu_compilers_refusal():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   estimate = linear_estimate()
-  capacity = int(estimate(32) / aot.FIT_FRACTION) + 1
+  capacity = int(estimate(32) / fit.FIT_FRACTION) + 1
   compiled = []
 
   def compile_for(b):      # XLA names the temporaries it would need, 30 MiB a row
     compiled.append(b)
     if b > 8:
-      raise aot.CompilerOutOfMemory("temporaries exceed HBM",
-                                    aot.Footprint(0, 0, 0, 30 * MIB * b, 0), capacity)
+      raise fit.CompilerOutOfMemory("temporaries exceed HBM",
+                                    fit.Footprint(0, 0, 0, 30 * MIB * b, 0), capacity)
     return FakeCompiled(b)
 
-  size, _ = aot.choose_microbatch(compile_for, SIZES, capacity, 16)
+  size, _ = fit.choose_microbatch(compile_for, SIZES, capacity, 16)
   assert compiled == [16, 8] and size == 8
 
 
@@ -386,6 +396,7 @@ class CompileCounter:
 
   def __init__(self, monkeypatch, built):
     from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+    from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
     self.compiles, self.num_microbatches = 0, []
     real_compile, real_make = aot.compile_lowered, built.make_step
 
@@ -403,44 +414,46 @@ class CompileCounter:
 
 def test_automatic_microbatch_on_a_fake_device_compiles_at_most_two_candidates(monkeypatch):
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   config = pretrain_config("diffusion", microbatch_size=-1)
   built = loop.setup(pretrain.PretrainTrainer(config), config)
-  _, info = loop.compile_train_step(built, config, reuse=False)
+  _, info = startup.compile_train_step(built, config, reuse=False)
   assert info["microbatch_size"] == 16 and info["capacity"] is None   # CPU: the whole batch
   params = built.abstract_state["params"]
-  real_estimate = aot.estimate_bytes
+  real_estimate = fit.estimate_bytes
   estimate = lambda b: real_estimate(config, dict(built.mesh.shape), b,
                                      num_microbatches=16 // b, params=params)
   # A device whose memory rules out the whole batch by the estimate (with
   # its error) but takes 8 examples: 8 is compiled, once; 16 never.
-  budget = (estimate(16) + estimate(8)) * aot.ESTIMATE_ERROR / 2
-  config.device_memory_gib = budget / aot.FIT_FRACTION / aot.GIB
+  budget = (estimate(16) + estimate(8)) * fit.ESTIMATE_ERROR / 2
+  config.device_memory_gib = budget / fit.FIT_FRACTION / fit.GIB
   counter = CompileCounter(monkeypatch, built)
-  _, info = loop.compile_train_step(built, config, reuse=False)
+  _, info = startup.compile_train_step(built, config, reuse=False)
   assert info["microbatch_size"] == 8 and counter.compiles == 1
   assert counter.num_microbatches == [2]
-  assert info["footprint"].total <= aot.FIT_FRACTION * info["capacity"]
+  assert info["footprint"].total <= fit.FIT_FRACTION * info["capacity"]
   # memory.py off by 2.5x (it is not, here): the whole batch looks as if it
   # fits, compiles too big, and the compiled figure steps it down once.
   # (The estimate is only ever consulted before compiling.)
-  monkeypatch.setattr(aot, "estimate_bytes", lambda *a, **k: estimate(a[2]) / 2.5)
+  monkeypatch.setattr(fit, "estimate_bytes", lambda *a, **k: estimate(a[2]) / 2.5)
   counter = CompileCounter(monkeypatch, built)
-  _, info = loop.compile_train_step(built, config, reuse=False)
+  _, info = startup.compile_train_step(built, config, reuse=False)
   assert counter.compiles == 2 and counter.num_microbatches[0] == 1
   assert info["microbatch_size"] < 16
-  assert info["footprint"].total <= aot.FIT_FRACTION * info["capacity"]
+  assert info["footprint"].total <= fit.FIT_FRACTION * info["capacity"]
 
 
 def test_a_batch_that_fits_nowhere_stops_before_anything_compiles(monkeypatch, tmp_path):
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
   config = pretrain_config("diffusion", microbatch_size=-1, device_memory_gib=1e-4)
   built = loop.setup(pretrain.PretrainTrainer(config), config)
   counter = CompileCounter(monkeypatch, built)
-  with pytest.raises(aot.DoesNotFit, match="at any microbatch.*--config.mesh.fsdp"):
-    loop.compile_train_step(built, config, reuse=False)
+  with pytest.raises(fit.DoesNotFit, match="at any microbatch.*--config.mesh.fsdp"):
+    startup.compile_train_step(built, config, reuse=False)
   assert counter.compiles == 0 and counter.num_microbatches == []
   # The whole run stops there too, before writing anything.
-  with pytest.raises(aot.DoesNotFit, match="at any microbatch"):
+  with pytest.raises(fit.DoesNotFit, match="at any microbatch"):
     loop.run(pretrain.PretrainTrainer(config), config, str(tmp_path / "w"))
   assert counter.compiles == 0
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
@@ -459,17 +472,18 @@ class FakeDevice:
 
 def test_device_memory_figures_and_capacity():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
-  gib = int(aot.GIB)
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
+  gib = int(fit.GIB)
   gpu = FakeDevice({"bytes_in_use": 2 * gib, "peak_bytes_in_use": 65 * gib,
                     "largest_free_block_bytes": 39 * gib, "bytes_limit": 104 * gib})
-  assert aot.memory_stats(gpu) == {"memory_in_use_gib": 2.0, "memory_peak_gib": 65.0,
+  assert fit.memory_stats(gpu) == {"memory_in_use_gib": 2.0, "memory_peak_gib": 65.0,
                                    "memory_largest_free_gib": 39.0, "memory_limit_gib": 104.0}
-  assert aot.device_capacity(gpu) == 104 * gib
-  assert aot.device_capacity(gpu, override_gib=8) == 8 * gib
+  assert fit.device_capacity(gpu) == 104 * gib
+  assert fit.device_capacity(gpu, override_gib=8) == 8 * gib
   # A TPU described without one (no stats): its HBM by kind; CPU: unknown.
-  assert aot.device_capacity(FakeDevice(None, "TPU v5 lite")) == 16 * gib
-  assert aot.device_capacity(FakeDevice(None, "cpu")) is None
-  assert aot.memory_stats(FakeDevice(None, "cpu")) == {}
+  assert fit.device_capacity(FakeDevice(None, "TPU v5 lite")) == 16 * gib
+  assert fit.device_capacity(FakeDevice(None, "cpu")) is None
+  assert fit.memory_stats(FakeDevice(None, "cpu")) == {}
 
 
 def test_the_cli_starts_jax_with_the_cuda_async_allocator_unless_told(monkeypatch):
@@ -527,13 +541,14 @@ if __name__ == "__main__":
 
 def test_evaluation_under_gradient_accumulation_runs_the_microbatch():
   """eval_batch_size=0 with microbatches: the eval program is compiled for
-  the microbatch (the whole batch never runs at once) and the config says so;
+  the microbatch (the whole batch never runs at once), the resolved sizes say
+  so and the config is left as given;
   a set eval_batch_size is kept."""
   from darl_jax.train import startup  # pylint: disable=g-import-not-at-top
   config = pretrain_config("diffusion", microbatch_size=8)          # batch 16
   built = loop.setup(pretrain.PretrainTrainer(config), config)
   programs = startup.compile_programs(built, config, eval_step=True, reuse=False)
-  assert config.eval_batch_size == 8
+  assert programs.resolved.eval_batch == 8 and config.eval_batch_size == 0
   batch = startup.abstract_eval_batch(built, config)
   assert batch["mask"].shape == (8,) and batch["image"].shape[0] == 8
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), built.abstract_state["params"])
@@ -548,19 +563,20 @@ def test_evaluation_under_gradient_accumulation_runs_the_microbatch():
 
 def test_an_eval_step_too_big_for_the_device_is_refused_naming_a_batch_that_fits():
   from darl_jax.train import aot  # pylint: disable=g-import-not-at-top
-  gib = int(aot.GIB)
-  train = aot.Footprint(arguments=10 * gib, outputs=10 * gib, aliased=10 * gib,
+  from darl_jax.train import fit  # pylint: disable=g-import-not-at-top
+  gib = int(fit.GIB)
+  train = fit.Footprint(arguments=10 * gib, outputs=10 * gib, aliased=10 * gib,
                         temporaries=60 * gib, code=0)
-  evaluation = lambda temps: aot.Footprint(arguments=5 * gib, outputs=0, aliased=0,
+  evaluation = lambda temps: fit.Footprint(arguments=5 * gib, outputs=0, aliased=0,
                                            temporaries=temps * gib, code=0)
-  aot.check_eval_fits(evaluation(80), train, 100 * gib, eval_batch_size=256, batch_shards=8)
-  with pytest.raises(aot.DoesNotFit, match=r"eval_batch_size=256 needs 200\.00 GiB") as e:
-    aot.check_eval_fits(evaluation(200), train, 100 * gib, eval_batch_size=256,
+  fit.check_eval_fits(evaluation(80), train, 100 * gib, eval_batch_size=256, batch_shards=8)
+  with pytest.raises(fit.DoesNotFit, match=r"eval_batch_size=256 needs 200\.00 GiB") as e:
+    fit.check_eval_fits(evaluation(200), train, 100 * gib, eval_batch_size=256,
                         batch_shards=8)
   # 85 GiB of budget at 200/256 GiB per example: 108 examples, 104 in whole shards.
   assert "--config.eval_batch_size=104 or smaller" in str(e.value)
-  with pytest.raises(aot.DoesNotFit, match="eval_every_steps=0"):
-    aot.check_eval_fits(evaluation(200), train, 12 * gib, eval_batch_size=256,
+  with pytest.raises(fit.DoesNotFit, match="eval_every_steps=0"):
+    fit.check_eval_fits(evaluation(200), train, 12 * gib, eval_batch_size=256,
                         batch_shards=8)
-  aot.check_eval_fits(None, train, 100 * gib, eval_batch_size=256, batch_shards=8)
-  aot.check_eval_fits(evaluation(200), train, None, eval_batch_size=256, batch_shards=8)
+  fit.check_eval_fits(None, train, 100 * gib, eval_batch_size=256, batch_shards=8)
+  fit.check_eval_fits(evaluation(200), train, None, eval_batch_size=256, batch_shards=8)

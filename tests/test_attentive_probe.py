@@ -16,9 +16,10 @@ import pytest
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import attentive_probe
+from darl_jax.train.trainers import attentive_probe
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train.trainers import pretrain
+from darl_jax.train import backbone as backbone_lib
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,12 +61,12 @@ def test_pooled_output_reads_only_the_chosen_blocks_as_a_set():
 
 
 def test_block_indices_resolve_and_bad_ones_name_the_fix():
-  assert attentive_probe.resolve_blocks((-1,), 4) == ("block_03",)
-  assert attentive_probe.resolve_blocks((0, 2), 4) == ("block_00", "block_02")
+  assert backbone_lib.resolve_blocks((-1,), 4) == ("block_03",)
+  assert backbone_lib.resolve_blocks((0, 2), 4) == ("block_00", "block_02")
   with pytest.raises(ValueError, match="indices in"):
-    attentive_probe.resolve_blocks((4,), 4)
+    backbone_lib.resolve_blocks((4,), 4)
   with pytest.raises(ValueError, match="distinct"):
-    attentive_probe.resolve_blocks((1, -3), 4)
+    backbone_lib.resolve_blocks((1, -3), 4)
 
 
 def test_attentive_head_learns_a_separable_toy_task():

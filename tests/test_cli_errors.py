@@ -23,7 +23,7 @@ from darl_jax import export
 from darl_jax import main as main_lib
 from darl_jax import memory
 from darl_jax.data import convert
-from darl_jax.train import vtab
+from darl_jax.train.jobs import vtab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("libtpu")
 
 from darl_jax import compile as compile_lib  # noqa: E402  pylint: disable=wrong-import-position
-from darl_jax.train import aot  # noqa: E402  pylint: disable=wrong-import-position
+from darl_jax.train import fit  # noqa: E402  pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -30,7 +30,7 @@ def test_tiny_config_compiles_for_a_tpu_topology_and_reports_per_chip(tmp_path):
   report = compile_lib.compile_for_topology(config, devices, TOPOLOGY,
                                             save=str(tmp_path / "step.bin"))
   assert report.fits and report.device_kind == "TPU v5 lite"
-  assert report.hbm == 16 * aot.GIB
+  assert report.hbm == 16 * fit.GIB
   assert report.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
   assert report.microbatch_size == 16
   t = report.train

@@ -31,7 +31,7 @@ def get_config(arg=None):
   fine-tuning (3 steps) of tests/tiny_config.py's mu/2 backbone on RGB 8x8."""
   sys.path.insert(0, str(ROOT / "tests"))
   import tiny_config
-  from darl_jax.train import finetune
+  from darl_jax.train.trainers import finetune
   if arg == "finetune":
     c = finetune.finetune_config()
     c.update(total_steps=3, batch_size=16, log_every_steps=1, eval_every_steps=3,

@@ -1,6 +1,6 @@
 """Downstream programs reused: VTAB's tasks share their compiled programs, the
 padded head with masked classes trains as an unpadded one, and downstream jobs
-log how many programs they compiled (darl_jax/train/programs.py)."""
+log how many programs they compiled (darl_jax/train/compile_count.py)."""
 
 import json
 import logging
@@ -16,9 +16,9 @@ import pytest
 from darl_jax.data import vtab_tasks
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import finetune
-from darl_jax.train import programs
-from darl_jax.train import vtab
+from darl_jax.train.trainers import finetune
+from darl_jax.train import compile_count
+from darl_jax.train.jobs import vtab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -31,7 +31,7 @@ TASKS = ("svhn", "dtd", "clevr_count")
 
 
 def test_the_counter_counts_compiles_and_cache_loads_per_name():
-  count = programs.Count()
+  count = compile_count.Count()
 
   def double_it(x):
     return x * 2.0
@@ -52,9 +52,9 @@ def test_the_counter_counts_compiles_and_cache_loads_per_name():
   line = count.line("a job")
   assert line.startswith(f"a job compiled {report['compiled']} programs")
   assert "from the persistent compilation cache" in line
-  later = programs.Count()
+  later = compile_count.Count()
   assert later.compiled() == {} and later.loaded() == {}
-  assert programs.program_name("jit(train_step)") == "train_step"
+  assert compile_count.program_name("jit(train_step)") == "train_step"
 
 
 # ------------------------------------------------------------ padded head
@@ -122,7 +122,10 @@ def test_padded_masked_head_equals_the_unpadded_head():
                   jax.tree_util.tree_leaves(small_out[2]["backbone"])):
     # float32 sums in another order: entries near zero differ by rounding
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
-  np.testing.assert_allclose(big_out[3]["loss"], small_out[3]["loss"], rtol=1e-6)
+  # The softmax over 16 padded logits and over 10 sums the same terms in
+  # float32, but XLA:CPU vectorises reductions of different lengths into other
+  # trees: a few ulps apart (1.6e-6 relative on some CPUs), never more.
+  np.testing.assert_allclose(big_out[3]["loss"], small_out[3]["loss"], rtol=1e-5)
   np.testing.assert_array_equal(big_out[3]["accuracy"], small_out[3]["accuracy"])
 
 
@@ -199,7 +202,7 @@ def test_vtab_tasks_of_other_class_counts_share_one_train_program(tmp_path):
 
 
 def test_a_probe_job_logs_and_reports_its_program_count(tmp_path, caplog):
-  from darl_jax.train import linear_probe
+  from darl_jax.train.trainers import linear_probe
   from darl_jax.train import loop
   c = linear_probe.linear_probe_config()
   c.update(total_steps=2, batch_size=16, log_every_steps=1, eval_every_steps=2,

@@ -17,11 +17,13 @@ from darl_jax import config_lib
 from darl_jax import ema as ema_lib
 from darl_jax import export
 from darl_jax import metrics as metrics_lib
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 from darl_jax.train import loop
-from darl_jax.train import pretrain
-from darl_jax.train import sample as sample_lib
-from darl_jax.train import transfer
+from darl_jax.train import trainer as trainer_lib
+from darl_jax.train import step as step_lib
+from darl_jax.train.trainers import pretrain
+from darl_jax.train.jobs import sample as sample_lib
+from darl_jax.train.trainers import transfer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -82,7 +84,7 @@ def plain_run(tmp_path_factory):
 # --------------------------------------------------------------- the average
 
 
-class ConstantStep(loop.Trainer):
+class ConstantStep(trainer_lib.Trainer):
   """Parameters ``w`` whose loss is ``-sum(w)``: SGD moves each by +lr a step."""
 
   def build_model(self, ctx):
@@ -237,7 +239,7 @@ def manual_eval(config, params):
   trainer = pretrain.PretrainTrainer(config)
   built = loop.setup(trainer, config)
   state = {"params": jax.device_put(params), "model_state": {}}
-  return loop.evaluate(trainer, built.model, state, built.ctx.eval_source, built.eval_step,
+  return step_lib.evaluate(trainer, built.model, state, built.ctx.eval_source, built.eval_step,
                        built.batch_sharding, config)["loss"]
 
 

@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train import step as step_lib
+from darl_jax.train import feed as feed_lib
+from darl_jax.train.trainers import pretrain
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import test_accumulate as acc  # noqa: E402  pylint: disable=wrong-import-position
@@ -27,7 +29,7 @@ def scores_at(trainer_cls, config, eval_batch_sizes, eval_max_batches):
   out = []
   for size in eval_batch_sizes:
     config.eval_batch_size = size
-    out.append(loop.evaluate(None, built.model, state, built.ctx.eval_source, built.eval_step,
+    out.append(step_lib.evaluate(None, built.model, state, built.ctx.eval_source, built.eval_step,
                              built.batch_sharding, config))
   return out
 
@@ -90,7 +92,7 @@ def test_each_examples_noise_comes_from_its_index_in_the_split():
     batch = {"image": images[rows], "label": np.zeros(len(rows), np.int32),
              "mask": np.ones(len(rows), bool), "index": np.asarray(index, np.int32)}
     out = built.eval_step(state["params"], state["model_state"],
-                          loop.to_global(batch, built.batch_sharding))
+                          feed_lib.to_global(batch, built.batch_sharding))
     return out
 
   per_row = [float(losses([r], [i])["loss"]) for r, i in ((0, 10), (1, 11), (2, 12))]
@@ -110,7 +112,7 @@ def test_an_accumulated_run_reports_the_one_shot_val_loss(tmp_path):
                                  checkpoint_every_steps=2, eval_max_batches=2)
     runs[microbatch] = loop.run(pretrain.PretrainTrainer(config), config,
                                 str(tmp_path / str(microbatch)))
-    assert config.eval_batch_size == (microbatch or 0)
+    assert config.eval_batch_size == 0      # resolved once (fit.resolve), never written back
   np.testing.assert_allclose(runs[0]["loss"], runs[8]["loss"], rtol=RTOL)
   np.testing.assert_allclose(runs[8]["val_loss"], runs[0]["val_loss"], rtol=RTOL)
 

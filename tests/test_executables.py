@@ -22,6 +22,7 @@ import pytest
 from darl_jax import config_lib
 from darl_jax import interrupts
 from darl_jax.train import aot
+from darl_jax.train import fit
 from darl_jax.train import executables
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,11 +53,11 @@ class CompileCounter:
 def test_a_saved_program_loads_without_compiling_and_runs_the_same(tmp_path, monkeypatch):
   counter = CompileCounter(monkeypatch)
   first = _program(tmp_path)
-  aot.compile_programs([first])
+  aot.compile_all([first])
   assert counter.calls == 1 and "compile" in first.times and (tmp_path / "k1.bin").exists()
   second = _program(tmp_path)
   second.info = {}
-  aot.compile_programs([second])
+  aot.compile_all([second])
   assert counter.calls == 1 and "load" in second.times and "lower" not in second.times
   assert second.info == {"microbatch_size": 4}          # saved with it
   x = jnp.arange(12.0).reshape(4, 3)
@@ -69,11 +70,11 @@ def test_a_broken_file_is_removed_and_the_program_compiled(tmp_path, monkeypatch
   (tmp_path / "k1.bin").write_bytes(b"not an executable")
   counter = CompileCounter(monkeypatch)
   program = _program(tmp_path, scale=5.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert counter.calls == 1 and program.compiled is not None
   assert "did not load" in caplog.text
   # The broken file was replaced by a good one, which now loads.
-  aot.compile_programs([_program(tmp_path, scale=5.0)])
+  aot.compile_all([_program(tmp_path, scale=5.0)])
   assert counter.calls == 1
 
 
@@ -83,15 +84,15 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
   program changed by what the name does not cover (here a constant of the
   function) compiles, runs its own arithmetic, and replaces the file."""
   counter = CompileCounter(monkeypatch)
-  aot.compile_programs([_program(tmp_path, scale=6.0)])
+  aot.compile_all([_program(tmp_path, scale=6.0)])
   changed = _program(tmp_path, scale=2.0)
-  aot.compile_programs([changed])
+  aot.compile_all([changed])
   assert counter.calls == 2 and "load" not in changed.times and "compile" in changed.times
   assert "compiled from another program" in caplog.text
   x = jnp.ones((4, 3))
   assert float(changed.compiled(jnp.zeros(()), x)[0]) == 24.0
   again = _program(tmp_path, scale=2.0)
-  aot.compile_programs([again])                       # the replaced file is its own
+  aot.compile_all([again])                       # the replaced file is its own
   assert counter.calls == 2 and "load" in again.times
   assert float(again.compiled(jnp.zeros(()), x)[0]) == 24.0
 
@@ -99,7 +100,7 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
 def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
   """The file's read (Program.load) is handed to a thread before the trace
   begins; only its deserialization waits for the trace's jaxpr check."""
-  aot.compile_programs([_program(tmp_path, scale=7.0)])
+  aot.compile_all([_program(tmp_path, scale=7.0)])
   events, load_started = [], threading.Event()
   real_load, real_trace = aot.Program.load, aot.Program.trace
 
@@ -116,7 +117,7 @@ def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
   monkeypatch.setattr(aot.Program, "load", load)
   monkeypatch.setattr(aot.Program, "trace", trace)
   program = _program(tmp_path, scale=7.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert "load" in program.times
   assert events.index("load starts") < events.index("trace ends")
 
@@ -222,7 +223,7 @@ def test_deferred_saves_write_a_program_after_it_is_handed_over(tmp_path, monkey
 
   monkeypatch.setattr(executables, "save", save)
   program = _program(tmp_path, scale=10.0)
-  saves = aot.compile_programs([program], defer_saves=True)
+  saves = aot.compile_all([program], defer_saves=True)
   assert "compile" in program.times and saves is not None
   assert not (tmp_path / "k1.bin").exists()
   assert float(program.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 120.0
@@ -230,10 +231,10 @@ def test_deferred_saves_write_a_program_after_it_is_handed_over(tmp_path, monkey
   saves.wait()
   assert (tmp_path / "k1.bin").exists() and saves.saved == 1
   again = _program(tmp_path, scale=10.0)
-  assert aot.compile_programs([again], defer_saves=True) is None     # loaded: nothing to save
+  assert aot.compile_all([again], defer_saves=True) is None     # loaded: nothing to save
   assert "load" in again.times
   # Without defer_saves nothing is left to a thread.
-  assert aot.compile_programs([_program(tmp_path, scale=11.0)]) is None
+  assert aot.compile_all([_program(tmp_path, scale=11.0)]) is None
 
 
 def test_saved_executables_are_off_on_the_cpu_and_on_gpus_and_tpus(monkeypatch, tmp_path):
@@ -259,7 +260,9 @@ def test_each_evaluation_batch_has_a_saved_file_of_its_own(tmp_path, monkeypatch
   a file of its own (no recompiling over one file), and each loads again."""
   sys.path.insert(0, str(ROOT / "tests"))
   import tiny_config  # pylint: disable=g-import-not-at-top
-  from darl_jax.train import loop, pretrain, startup  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import startup  # pylint: disable=g-import-not-at-top
+  from darl_jax.train.trainers import pretrain  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
   phases = []
@@ -281,11 +284,11 @@ def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_
   out-of-memory error is the program's own and passes unchanged."""
   # A constant of its own: compiled afresh, not taken from JAX's caches
   # (whose XLA:CPU executables fail after a reload, as below).
-  aot.compile_programs([_program(tmp_path, scale=3.0)])
+  aot.compile_all([_program(tmp_path, scale=3.0)])
   loaded = _program(tmp_path, scale=3.0)
-  aot.compile_programs([loaded])
+  aot.compile_all([loaded])
   assert "load" in loaded.times and isinstance(loaded.compiled, executables.FirstCall)
-  assert aot.footprint(loaded.compiled) is not None or jax.default_backend() != "gpu"
+  assert fit.footprint(loaded.compiled) is not None or jax.default_backend() != "gpu"
   x = jnp.ones((4, 3))
   assert float(loaded.compiled(jnp.zeros(()), x)[0]) == 36.0      # runs: kept
 
@@ -295,7 +298,7 @@ def test_a_loaded_program_that_fails_at_its_first_call_is_removed_and_named(tmp_
     return call
 
   again = _program(tmp_path, scale=3.0)
-  aot.compile_programs([again])
+  aot.compile_all([again])
   again.compiled._compiled = fails("RESOURCE_EXHAUSTED: Out of memory")
   with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
     again.compiled(jnp.zeros(()), x)
@@ -333,7 +336,7 @@ def _write(path, header, payload):
 
 
 def test_a_saved_file_is_a_plain_header_and_xla_bytes(tmp_path):
-  aot.compile_programs([_program(tmp_path, scale=12.0)])
+  aot.compile_all([_program(tmp_path, scale=12.0)])
   path = tmp_path / "k1.bin"
   assert path.read_bytes().startswith(executables.MAGIC)
   header, payload = _header(path)
@@ -355,18 +358,18 @@ def test_a_planted_pickle_never_runs_and_the_program_compiles(tmp_path, monkeypa
   program = _program(tmp_path, scale=13.0)
   with monkeypatch.context() as m:
     m.setattr(executables, "save", lambda *args: False)      # nothing replaces it yet
-    aot.compile_programs([program])
+    aot.compile_all([program])
   assert counter.calls == 1 and "load" not in program.times and not marker.exists()
   assert "did not load" in caplog.text
   assert (tmp_path / "k1.bin").read_bytes() == evil           # not ours to delete
   # A valid header of this very program, and a pickle as its executable.
-  aot.compile_programs([_program(tmp_path, scale=13.0)])
+  aot.compile_all([_program(tmp_path, scale=13.0)])
   header, _ = _header(tmp_path / "k1.bin")
   header.update(payload_bytes=len(evil), payload_sha256=hashlib.sha256(evil).hexdigest())
   _write(tmp_path / "k1.bin", header, evil)
   caplog.clear()
   program = _program(tmp_path, scale=13.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert counter.calls == 3 and "compile" in program.times and not marker.exists()
   assert "did not load" in caplog.text
   assert float(program.compiled(jnp.zeros(()), jnp.ones((4, 3)))[0]) == 156.0
@@ -375,7 +378,7 @@ def test_a_planted_pickle_never_runs_and_the_program_compiles(tmp_path, monkeypa
 @pytest.mark.parametrize("damage", ["version", "key", "truncated", "json", "info"])
 def test_a_malformed_file_is_ignored_with_one_line_and_kept(tmp_path, monkeypatch, caplog,
                                                              damage):
-  aot.compile_programs([_program(tmp_path, scale=14.0)])
+  aot.compile_all([_program(tmp_path, scale=14.0)])
   path = tmp_path / "k1.bin"
   header, payload = _header(path)
   if damage == "version":
@@ -391,7 +394,7 @@ def test_a_malformed_file_is_ignored_with_one_line_and_kept(tmp_path, monkeypatc
   counter = CompileCounter(monkeypatch)
   program = _program(tmp_path, scale=14.0)
   monkeypatch.setattr(executables, "save", lambda *args: False)    # nothing replaces it
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert counter.calls == 1 and "load" not in program.times
   assert caplog.text.count("did not load") == 1
   assert path.read_bytes() == planted
@@ -400,7 +403,7 @@ def test_a_malformed_file_is_ignored_with_one_line_and_kept(tmp_path, monkeypatc
 def test_a_file_of_another_jaxpr_is_never_deserialized(tmp_path, monkeypatch, caplog):
   """The jaxpr's digest in the header is checked against this run's trace
   before anything of the file is deserialized."""
-  aot.compile_programs([_program(tmp_path, scale=15.0)])
+  aot.compile_all([_program(tmp_path, scale=15.0)])
   path = tmp_path / "k1.bin"
   header, payload = _header(path)
   header["jaxpr"] = "0" * 64
@@ -410,11 +413,11 @@ def test_a_file_of_another_jaxpr_is_never_deserialized(tmp_path, monkeypatch, ca
   monkeypatch.setattr(executables, "deserialize", lambda *a: calls.append(a) or real(*a))
   counter = CompileCounter(monkeypatch)
   program = _program(tmp_path, scale=15.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert not calls and counter.calls == 1 and "load" not in program.times
   assert "compiled from another program" in caplog.text
   again = _program(tmp_path, scale=15.0)                 # replaced by its own program
-  aot.compile_programs([again])
+  aot.compile_all([again])
   assert len(calls) == 1 and "load" in again.times and counter.calls == 1
 
 
@@ -474,12 +477,12 @@ def test_a_sharded_program_is_rebuilt_as_it_was_compiled(tmp_path):
 def test_a_group_writable_folder_is_refused(tmp_path, monkeypatch, caplog):
   directory = tmp_path / "executables"
   directory.mkdir(mode=0o700)
-  aot.compile_programs([_program(directory, scale=16.0)])
+  aot.compile_all([_program(directory, scale=16.0)])
   saved = (directory / "k1.bin").read_bytes()
   directory.chmod(0o770)
   counter = CompileCounter(monkeypatch)
   program = _program(directory, scale=16.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert counter.calls == 1 and "load" not in program.times
   assert caplog.text.count("can be written by its group or others") == 1
   assert (directory / "k1.bin").read_bytes() == saved           # nothing saved there
@@ -502,12 +505,12 @@ def test_a_folder_of_another_user_is_refused(tmp_path, monkeypatch, caplog):
   refused, and nothing in it is read."""
   directory = tmp_path / "executables"
   directory.mkdir(mode=0o700)
-  aot.compile_programs([_program(directory, scale=17.0)])
+  aot.compile_all([_program(directory, scale=17.0)])
   real = os.getuid()
   monkeypatch.setattr(os, "getuid", lambda: real + 1)
   counter = CompileCounter(monkeypatch)
   program = _program(directory, scale=17.0)
-  aot.compile_programs([program])
+  aot.compile_all([program])
   assert counter.calls == 1 and "load" not in program.times
   assert caplog.text.count("belongs to another user") == 1
   monkeypatch.setenv("DARL_COMPILED_STEP_CACHE", "1")
@@ -559,15 +562,15 @@ def test_a_program_saved_under_other_xla_flags_is_not_loaded(tmp_path, monkeypat
     p.path = executables.path_for(tmp_path, config, _mesh(), "small step")
     return p
 
-  aot.compile_programs([program()])
+  aot.compile_all([program()])
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                      "--xla_cpu_use_thunk_runtime=true")
   other = program()
-  aot.compile_programs([other])
+  aot.compile_all([other])
   assert counter.calls == 2 and "load" not in other.times
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
   again = program()
-  aot.compile_programs([again])
+  aot.compile_all([again])
   assert counter.calls == 2 and "load" in again.times
 
 
@@ -577,9 +580,9 @@ def test_a_program_saved_under_other_xla_flags_is_not_loaded(tmp_path, monkeypat
                                           (KeyboardInterrupt, 20.0)])
 def test_a_signal_in_a_loaded_programs_first_call_passes_and_keeps_the_file(tmp_path, signal,
                                                                             scale):
-  aot.compile_programs([_program(tmp_path, scale=scale)])
+  aot.compile_all([_program(tmp_path, scale=scale)])
   loaded = _program(tmp_path, scale=scale)
-  aot.compile_programs([loaded])
+  aot.compile_all([loaded])
   assert isinstance(loaded.compiled, executables.FirstCall)
 
   def interrupted(*args):

@@ -416,7 +416,8 @@ def make_checkpoint(workdir, params, config: dict | None, step=1):
 def pretrained_workdir(tmp_path_factory):
   """Two real pretraining steps of tests/tiny_config.py (MSE, linear decoder)."""
   import runpy
-  from darl_jax.train import loop, pretrain
+  from darl_jax.train import loop
+  from darl_jax.train.trainers import pretrain
   config = runpy.run_path(str(ROOT / "tests" / "tiny_config.py"))["get_config"]("steps=2")
   config.eval_every_steps = 0
   config.predictions.num_images = 0

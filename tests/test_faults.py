@@ -30,7 +30,7 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import cli
 from darl_jax import metrics as metrics_lib
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train.trainers import pretrain
 from test_reliability import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,13 +44,14 @@ import os, signal, sys, time
 phase, signame, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
 import orbax.checkpoint as ocp
 from darl_jax import checkpoint, main
-from darl_jax.train import loop, pretrain
+from darl_jax.train import loop, startup, state
+from darl_jax.train.trainers import pretrain
 targets = {
     "setup": (loop, "setup"),
-    "compile": (loop, "compile_programs"),
+    "compile": (startup, "compile_programs"),
     "before restore": (checkpoint.Checkpointer, "restore_newest"),
     "restore": (ocp.StandardCheckpointHandler, "restore"),   # inside Orbax's read
-    "after restore": (loop, "adopt_layout"),
+    "after restore": (state, "adopt_layout"),
     "step": (loop.Profile, "before"),                        # in the step loop
     "save": (checkpoint.Checkpointer, "_save"),
     "closing": (pretrain.PretrainTrainer, "finalize"),
@@ -78,9 +79,12 @@ def _env():
 
 
 def _run(workdir, phase=None, signame="SIGTERM", nth=1):
+  # Synthetic batches: what is under test is the run around them, and each of
+  # these short runs would otherwise spend part of its start-up importing
+  # scikit-learn for the digits.
   args = [f"--config={TINY}:steps={STEPS}", f"--workdir={workdir}",
           "--config.eval_every_steps=0", "--config.checkpoint_every_steps=2",
-          "--config.keep_checkpoints=2"]
+          "--config.keep_checkpoints=2", "--config.data.name=synthetic"]
   if phase is None:
     cmd = [sys.executable, "-m", "darl_jax.main", *args]
   else:

@@ -12,7 +12,8 @@ import pytest
 
 from darl_jax import config_lib
 from darl_jax import metrics as metrics_lib
-from darl_jax.train import fewshot
+from darl_jax.train.jobs import fewshot
+from darl_jax.train import backbone as backbone_lib
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -167,14 +168,13 @@ def test_features_option_reads_a_block_of_the_tiny_model():
   sys.path.insert(0, str(ROOT / "tests"))
   import tiny_config  # pylint: disable=import-outside-toplevel
   from darl_jax.models import darl as darl_lib
-  from darl_jax.train import linear_probe
   c = tiny_config.get_config()
   model = darl_lib.darl_from_config(c)
   images = jax.random.uniform(jax.random.PRNGKey(0), (3, 8, 8, 1), minval=-1, maxval=1)
   params = model.init({"params": jax.random.PRNGKey(1), "noise": jax.random.PRNGKey(2)},
                       images, train=False)["params"]
-  final = linear_probe.darl_pooled_features(model, params, images)
-  block = linear_probe.darl_pooled_features(model, params, images, "block_01")
+  final = backbone_lib.darl_pooled_features(model, params, images)
+  block = backbone_lib.darl_pooled_features(model, params, images, "block_01")
   assert final.shape == block.shape == (3, model.backbone.width)
   assert not np.allclose(final, block)
   c.fewshot_eval.features = "block_05"

@@ -15,11 +15,13 @@ from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 from darl_jax.train import loop
-from darl_jax.train import pretrain
-from darl_jax.train import supervised
-from darl_jax.train import transfer
+from darl_jax.train import feed as feed_lib
+from darl_jax.train.trainers import pretrain
+from darl_jax.train.trainers import supervised
+from darl_jax.train.trainers import transfer
+from darl_jax.train import backbone as backbone_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -196,12 +198,12 @@ def test_eval_image_sizes_scores_the_trained_weights_at_another_resolution(tmp_p
   at.model.update(image_size=16, reference_image_size=8)
   model, _ = abstract_classifier_params(at)
   params, _ = checkpoint_lib.restore_params(str(tmp_path))
-  source = finetune.build_source(at, "validation", train=False)
+  source = backbone_lib.build_source(at, "validation", train=False)
   correct = count = 0
   for i, batch in enumerate(source.eval_batches(16, 0, 1)):
     if i >= c.eval_max_batches:
       break
-    logits, _ = model.apply({"params": params}, loop.model_input(batch)["image"])
+    logits, _ = model.apply({"params": params}, feed_lib.model_input(batch)["image"])
     mask = np.asarray(batch["mask"], bool)
     correct += int((np.argmax(np.asarray(logits), -1) == batch["label"])[mask].sum())
     count += int(mask.sum())

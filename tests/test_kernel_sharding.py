@@ -2,7 +2,7 @@
 
 Property: a tiny ViT under kernel choices (``ops.using``) gives the same
 loss and parameter gradients on a 2-device batch split (a data and an FSDP
-mesh), traced as the training loop traces its step (loop.on_mesh), as one
+mesh), traced as the training loop traces its step (step_lib.on_mesh), as one
 device running each half of the batch; and there every kernel of all three
 choices runs under ``shard_map`` on one device's rows. In a subprocess with 2 fake CPU devices,
 where the norm kernels run (Pallas's interpreter; Mosaic GPU's does not run
@@ -98,7 +98,7 @@ def _check_arguments(mesh):
   """over_batch's arguments as the model passes them: None (no qkv bias), a
   tuple (RoPE's table pair); outputs a tuple (a norm's sum and LN)."""
   from darl_jax import sharding as sharding_lib
-  from darl_jax.train import loop
+  from darl_jax.train import step as step_lib
 
   def fn(x, bias, tables):
     assert bias is None and x.shape == (2, 3), (bias, x.shape)   # one device's rows
@@ -106,7 +106,7 @@ def _check_arguments(mesh):
     return x * cos[0], x + sin[0]
 
   x = jax.device_put(jnp.arange(12.0).reshape(4, 3), sharding_lib.batch_sharding(mesh))
-  step = loop.on_mesh(lambda x, t: per_shard.over_batch(fn, x, None, t,
+  step = step_lib.on_mesh(lambda x, t: per_shard.over_batch(fn, x, None, t,
                                                         batched=(True, False, False),
                                                         axes=BATCH_AXES), mesh)
   out = jax.jit(step)(x, (jnp.full((1,), 2.0), jnp.full((1,), 1.0)))
@@ -117,7 +117,7 @@ def _check_arguments(mesh):
 def _check_mesh(mesh, params, args, run_options):
   from darl_jax import ops
   from darl_jax import sharding as sharding_lib
-  from darl_jax.train import loop
+  from darl_jax.train import step as step_lib
   batch = sharding_lib.batch_sharding(mesh)
   placed = [jax.device_put(a, batch) for a in args]
   # parameters as the loop lays them out: split over fsdp by its rules
@@ -125,7 +125,7 @@ def _check_mesh(mesh, params, args, run_options):
       params, mesh, sharding_lib.check_rules("fsdp")))
 
   def step_of(model):
-    return loop.on_mesh(lambda p, *a: _loss_and_grads(model, p, *a), mesh)
+    return step_lib.on_mesh(lambda p, *a: _loss_and_grads(model, p, *a), mesh)
 
   # Every kernel call of the step is one device's: with all three choices, a
   # shard_map for the attention, the MLP and the three norms (the fused

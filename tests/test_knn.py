@@ -1,4 +1,4 @@
-"""kNN on frozen features (train/knn.py): the classifier against a brute-force
+"""kNN on frozen features (train/jobs/knn.py): the classifier against a brute-force
 NumPy kNN (ties, k beyond a class and beyond the training set, chunking),
 the job end to end on a tiny model, and its row in the studies."""
 
@@ -16,7 +16,7 @@ from darl_jax import config_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax.studies import catalog
 from darl_jax.studies import spec as S
-from darl_jax.train import knn
+from darl_jax.train.jobs import knn
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -187,10 +187,10 @@ def test_job_runs_end_to_end_on_a_tiny_model(tmp_path):
   import jax.numpy as jnp
   from darl_jax import data as data_lib
   from darl_jax.models import vit as vit_lib
-  from darl_jax.train import linear_probe
+  from darl_jax.train import backbone as backbone_lib
   c = runpy.run_path(str(EXPERIMENT))["get_config"]("tiny")
   backbone, patch = vit_lib.vit_from_config(c.model)
-  model = linear_probe.PooledBlocks(backbone=backbone, patch_size=patch, poolings=("mean", "last"))
+  model = backbone_lib.PooledBlocks(backbone=backbone, patch_size=patch, poolings=("mean", "last"))
   params = model.init(jax.random.PRNGKey(c.seed), jnp.zeros((1, 8, 8, 1)))["params"]
 
   def feats(split, n):
@@ -221,7 +221,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 from darl_jax import mesh_axes, sharding
-from darl_jax.train import knn
+from darl_jax.train.jobs import knn
 
 mesh = sharding.make_mesh({"data": -1})
 batch, num_batches, spins = 4, 48, 3_000_000

@@ -14,9 +14,9 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax import patches as patches_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import linear_probe
+from darl_jax.train.trainers import linear_probe
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train.trainers import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

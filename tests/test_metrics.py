@@ -128,7 +128,7 @@ class _EventsFile:
 
 def test_a_finished_run_rerun_only_rewrites_its_prediction_picture(tmp_path, monkeypatch):
   from darl_jax.train import loop
-  from darl_jax.train import pretrain
+  from darl_jax.train.trainers import pretrain
   import tiny_config  # pylint: disable=g-import-not-at-top  # tests/, on pytest's path
   monkeypatch.setattr(metrics, "_make_tensorboard_backend", _EventsFile)
   config = tiny_config.get_config("steps=2")

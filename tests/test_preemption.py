@@ -28,7 +28,7 @@ from darl_jax import interrupts
 from darl_jax import metrics as metrics_lib
 from darl_jax import preemption
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train.trainers import pretrain
 from test_reliability import tiny  # tests/tiny_config.py without evaluations or pictures
 from xla_env import cpu_devices_flags
 

@@ -1,4 +1,4 @@
-"""The probe grid (train/probe_grid.py): each head trains as it would alone at
+"""The probe grid (train/trainers/probe_grid.py): each head trains as it would alone at
 its setting, the held-out rows are apart from everything else, the report
 holds the choice and the grid."""
 
@@ -14,10 +14,11 @@ from darl_jax import config_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax.data import holdout
 from darl_jax.studies import spec as S
-from darl_jax.train import attentive_probe
-from darl_jax.train import linear_probe
+from darl_jax.train.trainers import attentive_probe
+from darl_jax.train.trainers import linear_probe
 from darl_jax.train import loop
-from darl_jax.train import probe_grid
+from darl_jax.train.trainers import probe_grid
+from darl_jax.train import backbone as backbone_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -51,7 +52,7 @@ def _trained(trainer_class, config, init=None, batches=None):
   if init is not None:
     state = init(state)
   if batches is None:
-    source = linear_probe.finetune.build_source(config, config.data.train_split, train=True)
+    source = linear_probe.backbone_lib.build_source(config, config.data.train_split, train=True)
     batches = [source.train_batch(s, config.batch_size) for s in range(STEPS)]
   for i, batch in enumerate(batches):
     state, _ = built.train_step(state, batch, built.hyper(i))
@@ -97,7 +98,7 @@ def _linear_init(single_state, blocks):
     dict(learning_rates=(0.5, 6.4), weight_decays=(0.1,)),
 ])
 def test_linear_grid_heads_train_as_alone(grid, single_init):
-  blocks = linear_probe.block_names(2)
+  blocks = backbone_lib.block_names(2)
   single0 = single_init["linear"]
   state, batches = _trained(linear_probe.LinearProbeTrainer, _config(**grid),
                             _linear_init(single0, blocks))
@@ -142,7 +143,7 @@ def test_attentive_grid_heads_train_as_alone(single_init):
 
 
 def test_held_out_rows_are_deterministic_and_apart():
-  source = linear_probe.finetune.build_source(_config(), "train", train=True)
+  source = linear_probe.backbone_lib.build_source(_config(), "train", train=True)
   train, held = holdout.split(source, -1)
   assert held.num_examples == round(0.02 * source.num_examples)
   assert train.num_examples + held.num_examples == source.num_examples

@@ -27,9 +27,9 @@ from darl_jax import export
 from darl_jax import metrics as metrics_lib
 from darl_jax import workdir as workdir_lib
 from darl_jax.train import loop
-from darl_jax.train import pretrain
-from darl_jax.train import sample
-from darl_jax.train import transfer
+from darl_jax.train.trainers import pretrain
+from darl_jax.train import backbone as backbone_lib
+from darl_jax.train.trainers import transfer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -120,7 +120,7 @@ def test_refused_resume_leaves_config_json_and_readers_use_the_checkpoint_config
   _, sidecar = export.export(str(workdir), str(tmp_path / "m.safetensors"))
   backbone = json.loads(sidecar.read_text())["backbone"]
   assert backbone["posenc"] == "rope2d" and backbone["attention"]["mask"] == "causal"
-  pre, step = sample.load_pretrain_config(str(workdir))
+  pre, step = backbone_lib.load_pretrain_config(str(workdir))
   assert (pre.model.posenc, pre.model.causal, pre.model.width, step) == ("rope2d", True, 0, 4)
   # Fine-tuning with another positional encoding than the checkpoint's fails.
   params, meta = checkpoint_lib.restore_params(str(workdir))

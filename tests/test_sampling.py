@@ -1,5 +1,5 @@
 """KV-cached autoregressive sampling (darl_jax/sampling.py, the sampling job
-train/sample.py) and the denoising chain (diffusion.reverse_diffusion) on tiny models."""
+train/jobs/sample.py) and the denoising chain (diffusion.reverse_diffusion) on tiny models."""
 
 import json
 
@@ -17,7 +17,8 @@ from darl_jax import patches as patches_lib
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import vit
-from darl_jax.train import sample as sample_lib
+from darl_jax.train.jobs import sample as sample_lib
+from darl_jax.train import backbone as backbone_lib
 
 from test_models import images, tiny_config
 
@@ -338,4 +339,4 @@ def test_sample_job_errors_name_the_fix(tmp_path):
   model = darl_lib.darl_from_config(pre)
   params, _ = checkpoint_lib.restore_params(str(tmp_path))
   with pytest.raises(ValueError, match="decoder"):
-    sample_lib.check_params(model, (8, 8, 1), params)
+    backbone_lib.check_params(model, (8, 8, 1), params)

@@ -32,7 +32,11 @@ from darl_jax.checkpoint import restore_params
 from darl_jax.kernels import fused_stack
 from darl_jax.models import darl as darl_lib
 from darl_jax.models import heads, layers, vit
-from darl_jax.train import finetune, loop, pretrain, transfer
+from darl_jax.train.trainers import finetune
+from darl_jax.train.trainers import pretrain
+from darl_jax.train.trainers import transfer
+from darl_jax.train import loop
+from darl_jax.train import state as state_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tiny_config  # noqa: E402  pylint: disable=wrong-import-position
@@ -368,7 +372,7 @@ def _fresh_state(scan: bool):
 
 def test_a_fresh_state_is_the_same_in_either_layout():
   """The loop draws a fresh state with the model's scanned form
-  (loop.initialising_model): the unrolled run starts from the scanned run's
+  (state_lib.initialising_model): the unrolled run starts from the scanned run's
   parameters, block for block, the decoder's stack included, and its
   optimizer state and EMA have the unrolled layout."""
   unrolled, scanned = _fresh_state(False), _fresh_state(True)

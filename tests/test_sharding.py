@@ -240,7 +240,8 @@ def _run_config(rules, mesh):
 def _worker(outdir: str) -> None:
   """Runs inside the 4-device subprocess: the loop once per entry of RUNS."""
   from darl_jax import metrics  # pylint: disable=g-import-not-at-top
-  from darl_jax.train import loop, pretrain  # pylint: disable=g-import-not-at-top
+  from darl_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from darl_jax.train.trainers import pretrain  # pylint: disable=g-import-not-at-top
   assert jax.device_count() == 4
   result = {}
   for name, (rules, mesh) in RUNS.items():

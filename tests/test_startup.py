@@ -19,7 +19,9 @@ import pytest
 from darl_jax import metrics as metrics_lib
 from darl_jax import optim
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train import step as step_lib
+from darl_jax.train import startup
+from darl_jax.train.trainers import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -344,7 +346,7 @@ def test_every_program_compiles_at_start_up_with_a_log_line_per_phase(tmp_path, 
   assert meta["step"] == 4
   state = {"params": jax.device_put(params, built.state_shardings["params"]),
            "model_state": built.init_state()["model_state"]}
-  want = loop.evaluate(trainer, built.model, state,
+  want = step_lib.evaluate(trainer, built.model, state,
                        built.ctx.eval_source, built.eval_step, built.batch_sharding, config)
   assert want == scores
 
@@ -390,7 +392,7 @@ def test_programs_compile_side_by_side_on_threads(monkeypatch, caplog):
   x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
   fns = {f"power {k}": jax.jit(lambda a, k=k: jnp.tanh(a @ a.T) ** k + k) for k in range(4)}
   programs = [aot.Program(name, fn, (x,)) for name, fn in fns.items()]
-  aot.compile_programs(programs)
+  aot.compile_all(programs)
   assert "(4 compiled, 4 at a time; 0 loaded)" in caplog.text
   value = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
   for program in programs:
@@ -407,7 +409,7 @@ def test_the_ema_average_evaluation_sees_is_compiled_at_start_up():
   config = tiny(2, ema_decay=0.9)
   trainer = pretrain.PretrainTrainer(config)
   built = loop.setup(trainer, config)
-  programs = loop.compile_programs(built, config, trainer=trainer, init=True, view=True,
+  programs = startup.compile_programs(built, config, trainer=trainer, init=True, view=True,
                                    reuse=False)
   assert set(programs.info["programs"]) == {"train step", "init step", "ema average"}
   state = built.init_state(programs.init_state)

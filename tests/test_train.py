@@ -16,7 +16,8 @@ import pytest
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax.train import loop
-from darl_jax.train import pretrain
+from darl_jax.train import step as step_lib
+from darl_jax.train.trainers import pretrain
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -235,9 +236,9 @@ def test_skip_nonfinite_keeps_the_parameters_finite(tmp_path):
 
 
 def test_evaluation_keeps_at_most_one_batch_ahead_of_the_devices(monkeypatch):
-  """loop.evaluate waits for batch i - 1's outputs once batch i is
+  """step_lib.evaluate waits for batch i - 1's outputs once batch i is
   dispatched: a host that queued every batch while a device lagged
-  deadlocked XLA:CPU's collectives (train/knn.py, "Dispatch")."""
+  deadlocked XLA:CPU's collectives (train/jobs/knn.py, "Dispatch")."""
   class Source:
     def eval_batches(self, size, *unused, **unused_kw):
       for i in range(5):
@@ -262,7 +263,7 @@ def test_evaluation_keeps_at_most_one_batch_ahead_of_the_devices(monkeypatch):
                                       "batch_size": 2, "data": {"num_workers": 0}})
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  scores = loop.evaluate(None, None, {"params": None, "model_state": None}, Source(), eval_fn,
+  scores = step_lib.evaluate(None, None, {"params": None, "model_state": None}, Source(), eval_fn,
                          sharding, config)
   assert scores["score"] == pytest.approx(1.0)     # (0 + 1 + 2 + 3 + 4) x 2 rows / 10 rows
   for i in range(1, 5):   # batch i - 1 is waited for once batch i is dispatched ...

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from darl_jax.data import vtab_tasks
-from darl_jax.train import vtab
+from darl_jax.train.jobs import vtab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

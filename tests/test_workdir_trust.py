@@ -14,15 +14,15 @@ import pytest
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import metrics as metrics_lib
 from darl_jax import workdir as workdir_lib
-from darl_jax.train import attentive_probe
-from darl_jax.train import fewshot
-from darl_jax.train import finetune
-from darl_jax.train import knn
-from darl_jax.train import linear_probe
+from darl_jax.train.trainers import attentive_probe
+from darl_jax.train.jobs import fewshot
+from darl_jax.train.trainers import finetune
+from darl_jax.train.jobs import knn
+from darl_jax.train.trainers import linear_probe
 from darl_jax.train import loop
-from darl_jax.train import sample
+from darl_jax.train.jobs import sample
 from darl_jax.train import trainers
-from darl_jax.train import vtab
+from darl_jax.train.jobs import vtab
 
 import tiny_config
 

@@ -16,7 +16,7 @@ batch axes, so that a device's kernels see only its own images:
   data parallelism needs anyway.
 
 The mesh comes from the trace's context: ``jax.sharding.use_abstract_mesh``,
-which the training loop and the evaluation step set (loop.make_train_step's
+which the training loop and the evaluation step set (step.make_train_step's
 ``mesh``). Which of its axes split the batch is the caller's to say
 (``axes``: darl_jax/ops.py passes mesh_axes.BATCH_AXES, the axes
 sharding.batch_sharding splits the batch over); this module imports nothing

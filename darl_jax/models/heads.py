@@ -16,7 +16,7 @@ first ``task_classes`` are the task's classes. Which outputs are classes is
 the variable ``classes/valid`` (a model-state collection, set at
 initialisation), not a constant of the program, so the programs compiled
 for one task run every task with another class count and the same head size
-(VTAB's 19 tasks, darl_jax/train/vtab.py). The other outputs' logits are
+(VTAB's 19 tasks, darl_jax/train/jobs/vtab.py). The other outputs' logits are
 ``ABSENT_LOGIT``: softmax, cross entropy and argmax then see the task's
 classes alone, the absent outputs get zero gradients and, from the zero
 initialisation, stay zero, so the padded head trains exactly as a head of

@@ -57,6 +57,13 @@ def parse_variant(name: str) -> tuple[Variant, int]:
   return VARIANTS[m.group(1)], int(m.group(2))
 
 
+def depth(model_cfg) -> int:
+  """The number of blocks ``model_cfg`` builds: ``model.depth`` where set (> 0),
+  else its variant's."""
+  variant, _ = parse_variant(model_cfg.variant)
+  return int(model_cfg.get("depth", 0) or variant.depth)
+
+
 
 class Block(nn.Module):
   """Pre-LayerNorm Transformer block: x + attn(LN(x)); x + mlp(LN(x)).

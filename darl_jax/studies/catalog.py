@@ -47,7 +47,7 @@ def attentive_probe(scale: S.Scale, parent: S.Stage | None, seed: int,
                  scale.probe_overrides, {"probe.blocks": blocks, "seed": seed}, parent=parent)
 
 
-# The probe grids (train/probe_grid.py) per scale: (linear, attentive)
+# The probe grids (train/trainers/probe_grid.py) per scale: (linear, attentive)
 # overrides, chosen on held-out training rows. Learning rates are spaced by 2
 # (linear, LARS: around the scale's single rate, 6.4 or 32) and by ~3
 # (attentive, AdamW: around 1e-3), as DINOv2's and l3m's grids are. The
@@ -100,7 +100,7 @@ def attentive_probe_grid(scale: S.Scale, parent: S.Stage | None, seed: int,
 
 def knn(scale: S.Scale, parent: S.Stage | None, seed: int) -> S.Stage:
   """k-nearest-neighbour accuracy of every block's frozen features
-  (train/knn.py); ``parent=None`` reads a random backbone."""
+  (train/jobs/knn.py); ``parent=None`` reads a random backbone."""
   return S.stage("knn", scale.knn, scale.common, scale.knn_overrides, {"seed": seed},
                  parent=parent)
 

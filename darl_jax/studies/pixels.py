@@ -10,7 +10,7 @@ studies' stages (the data sources of darl_jax/data, no augmentation):
   fitted full-batch with L-BFGS (optax);
 - closed-form ridge regression on one-hot targets (the ridge probe's method,
   applied to pixels);
-- the kNN classifier of train/knn.py on the raw pixels in [0, 1] (cosine
+- the kNN classifier of train/jobs/knn.py on the raw pixels in [0, 1] (cosine
   similarity, the k most similar training images vote exp(similarity / T),
   T = 0.07, k = 10, 20, 100, 200): the comparator of the kNN rows, which
   train nothing either, so a trained logistic regression is not their
@@ -47,7 +47,7 @@ from darl_jax.data import registry
 LOGISTIC_L2 = (1e-5, 1e-4, 1e-3, 1e-2)
 RIDGE_L2 = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
 HOLDOUT = 0.1
-KNN_KS = (10, 20, 100, 200)      # train/knn.py's defaults
+KNN_KS = (10, 20, 100, 200)      # train/jobs/knn.py's defaults
 KNN_TEMPERATURE = 0.07
 
 
@@ -117,7 +117,7 @@ def ridge_accuracy(w, x, y) -> float:
 def knn_predict(x_train, y_train, x_test, ks=KNN_KS, temperature: float = KNN_TEMPERATURE,
                 chunk: int = 256) -> dict[int, np.ndarray]:
   """``{k: predicted class [n_test]}`` of the weighted kNN classifier,
-  train/knn.py's rule in NumPy: rows L2-normalised, cosine similarity in
+  train/jobs/knn.py's rule in NumPy: rows L2-normalised, cosine similarity in
   float64, the k most similar training rows (equal similarities: the earlier
   row first) vote ``exp(similarity / temperature)``, the largest vote wins
   (ties: the lower class); k beyond the training rows takes them all.

@@ -322,10 +322,10 @@ def _write_json(path: pathlib.Path, obj) -> None:
 
 BLOCK_ACCURACY = "val_accuracy_block_"
 HOLDOUT_BLOCK_ACCURACY = "val_holdout_accuracy_block_"
-# A linear probe grid's candidates (train/linear_probe.py, finalize_grid):
+# A linear probe grid's candidates (train/trainers/linear_probe.py, finalize_grid):
 # ``val_grid_accuracy_block_03_mean_lr_16_wd_0`` and its held-out twin.
 _GRID_CANDIDATE = re.compile(r"^val_grid_accuracy_(block_\d+)_([a-z]+)_lr_([^_]+)_wd_([^_]+)$")
-# The kNN job's accuracies (train/knn.py): ``val_knn_accuracy_mean_k20_block_03``.
+# The kNN job's accuracies (train/jobs/knn.py): ``val_knn_accuracy_mean_k20_block_03``.
 _KNN_ACCURACY = re.compile(r"^val_knn_accuracy_([a-z]+)_k(\d+)_block_\d+$")
 
 
@@ -444,7 +444,7 @@ def pixel_records(out: pathlib.Path) -> tuple[list[dict], list[str]]:
     per_k = {int(k): a for k, a in result["knn"]["val_accuracy"].items()}
     headline = per_k.get(20)
     metrics = {f"last/best_block_accuracy_mean_k{k}": a for k, a in per_k.items()}
-    if headline is not None:      # the kNN stages' headline k (train/knn.py's report_k)
+    if headline is not None:      # the kNN stages' headline k (train/jobs/knn.py's report_k)
       metrics.update({"last/val_accuracy": headline, "last/best_block_accuracy": headline})
     rows.append({"labels": {"init": "raw pixels, kNN", "protocol": "kNN", "family": "knn",
                             "seed": 0}, "metrics": metrics})

@@ -2,7 +2,7 @@
 
 The recipe's global batch (the paper's 4096) is a property of the
 experiment; ``microbatch_size`` says how many of its examples the devices
-hold at once. The train step (loop.make_train_step) then runs its
+hold at once. The train step (step.make_train_step) then runs its
 microbatches in a ``lax.scan`` inside the one jitted step, sums their
 gradients in float32 and applies one update, so the learning rate, its
 schedule, weight decay and the EMA see the recipe's batch.

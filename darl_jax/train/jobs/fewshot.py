@@ -32,7 +32,7 @@ strongest strength of the grid is used (towards which ridge regression on
 whitened features becomes a nearest-class-mean classifier).
 
 Two uses: the pretraining evaluator ``FewShotEval`` (``config.fewshot_eval``,
-train/pretrain.py's ``extra_eval``; ``val_fewshot_<k>shot``) and the
+train/trainers/pretrain.py's ``extra_eval``; ``val_fewshot_<k>shot``) and the
 ``fewshot`` job (``run``): a pretraining checkpoint's features scored the same
 way, written to ``fewshot.json`` and metrics.jsonl.
 """
@@ -50,9 +50,11 @@ from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import files
 from darl_jax import sharding as sharding_lib
-from darl_jax.train import linear_probe
-from darl_jax.train import loop
-from darl_jax.train import programs
+from darl_jax.train import setup as setup_lib
+from darl_jax.train import compile_count
+from darl_jax.train import fit
+from darl_jax.train import backbone as backbone_lib
+from darl_jax.models import vit as vit_lib
 
 # ------------------------------------------------------------------ the fit
 
@@ -150,7 +152,7 @@ class FewShotEval:
   ``features_fn(params, images) -> [B, D]`` (jitted once). The support pool
   (the first ``num_support_examples`` of ``support_split``) and the query set
   (the first ``num_query_examples`` of ``query_split``) are read, unaugmented,
-  at every call, through linear_probe.collect_features as the ridge probe
+  at every call, through backbone_lib.collect_features as the ridge probe
   reads its splits.
   """
 
@@ -171,10 +173,10 @@ class FewShotEval:
 
   def scores(self, params) -> dict:
     """``fewshot_scores`` of ``params``' features (see there)."""
-    pool_x, pool_y = linear_probe.collect_features(
+    pool_x, pool_y = backbone_lib.collect_features(
         self.features_fn, params, self.support_source, self.batch_size,
         self.cfg.num_support_examples, self.sharding)
-    query_x, query_y = linear_probe.collect_features(
+    query_x, query_y = backbone_lib.collect_features(
         self.features_fn, params, self.query_source, self.batch_size,
         self.cfg.num_query_examples, self.sharding)
     return fewshot_scores(pool_x, pool_y, query_x, query_y, self.num_classes,
@@ -184,16 +186,16 @@ class FewShotEval:
     return metric_dict(self.scores(params))
 
 
-def from_pretrain_config(config, mesh, model) -> FewShotEval:
+def from_pretrain_config(config, mesh, model, eval_batch: int | None = None) -> FewShotEval:
   """The pretraining run's evaluator: ``config.fewshot_eval`` on ``config.data``,
   pooled features of ``model`` (a DARL model)."""
   cfg = config.fewshot_eval
   name = cfg.features
-  check_features_name(name, model_depth(config.model))
+  check_features_name(name, vit_lib.depth(config.model))
   return FewShotEval(cfg, config.data, mesh,
-                     lambda p, x: linear_probe.darl_pooled_features(model, p, x, name),
+                     lambda p, x: backbone_lib.darl_pooled_features(model, p, x, name),
                      seed=config.seed,
-                     batch_size=config.eval_batch_size or config.batch_size)
+                     batch_size=eval_batch or fit.resolve(config).eval_batch)
 
 
 # ------------------------------------------------------------------ the job
@@ -218,12 +220,6 @@ def fewshot_config() -> ml_collections.ConfigDict:
   return c
 
 
-def model_depth(model_cfg) -> int:
-  from darl_jax.models import vit as vit_lib
-  variant, _ = vit_lib.parse_variant(model_cfg.variant)
-  return int(model_cfg.get("depth", 0) or variant.depth)
-
-
 def check_features_name(name: str, depth: int) -> None:
   valid = ["features"] + [f"block_{i:02d}" for i in range(depth)]
   if name not in valid:
@@ -238,40 +234,39 @@ def run(config, workdir: str) -> dict:
   step with the keys pretraining logs (``val_fewshot_<k>shot``, ``_std``).
   The workdir contract of the sampling job: locked, config.json written
   once the checks passed, no checkpoints. The report and the last log line
-  say how many programs the job compiled (train/programs.py); the features
-  program is kept by the persistent compilation cache (loop.job), so a rerun
+  say how many programs the job compiled (train/compile_count.py); the features
+  program is kept by the persistent compilation cache (setup_lib.job), so a rerun
   on a checkpoint of the same model loads it."""
   from darl_jax.models import darl as darl_lib
-  from darl_jax.train import sample
 
-  count = programs.Count()
+  count = compile_count.Count()
   config_lib.validate(config)
   if not config.get("init_from"):
     raise ValueError("the fewshot job needs --config.init_from=<pretraining workdir>")
-  pre, step = sample.load_pretrain_config(config.init_from,
+  pre, step = backbone_lib.load_pretrain_config(config.init_from,
                                           None if config.init_step < 0 else config.init_step)
   if config.get("data_path"):
     pre.data.path = config.data_path
   if config.get("tfds_data_dir"):
     pre.data.tfds_data_dir = config.tfds_data_dir
-  check_features_name(config.fewshot_eval.features, model_depth(pre.model))
+  check_features_name(config.fewshot_eval.features, vit_lib.depth(pre.model))
   dtype = pre.model.get("dtype", "float32")
-  with loop.job(config, workdir, dtype) as (workdir, writer, is_main):
+  with setup_lib.job(config, workdir, dtype) as (workdir, writer, is_main):
     mesh = sharding_lib.make_mesh(config.mesh)
     model = darl_lib.darl_from_config(pre)
     # the EMA of the parameters where the checkpoint has one, unless use_ema says
     params, meta = checkpoint_lib.restore_params(config.init_from, step=step,
                                                  use_ema=config.get("use_ema", None))
     image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
-    sample.check_params(model, image_shape, params)
+    backbone_lib.check_params(model, image_shape, params)
     writer.start(None, config.to_dict())
     params = jax.device_put(params, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()))
     name = config.fewshot_eval.features
     evaluator = FewShotEval(config.fewshot_eval, pre.data, mesh,
-                            lambda p, x: linear_probe.darl_pooled_features(model, p, x, name),
+                            lambda p, x: backbone_lib.darl_pooled_features(model, p, x, name),
                             seed=config.seed,
-                            batch_size=config.eval_batch_size or config.batch_size)
+                            batch_size=fit.resolve(config).eval_batch)
     scores = evaluator.scores(params)
     ckpt_step = int(meta.get("step", step))
     report = {"init_from": str(config.init_from), "step": ckpt_step, "features": name,

@@ -31,7 +31,7 @@ its table's rate literally; see finetune.py.)
 
 A hyper-parameter grid (``config.probe``: learning rates x weight decays x
 poolings, every block) trains in the same frozen pass and is chosen on
-held-out training rows: train/probe_grid.py. With every ``probe`` key at its
+held-out training rows: train/trainers/probe_grid.py. With every ``probe`` key at its
 default the trainer is the single-setting probe above, unchanged.
 
 ``RidgeProbe`` is the optional pretraining evaluator (``config.probe_eval``):
@@ -46,20 +46,20 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import linen as nn
-from jax.experimental import multihost_utils
 
 from darl_jax import config_lib
 from darl_jax import data as data_lib
 from darl_jax import files
-from darl_jax import patches as patches_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import mixup as mixup_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import finetune
-from darl_jax.train import loop
-from darl_jax.train import probe_grid
-from darl_jax.train import programs
-from darl_jax.train import transfer
+from darl_jax.train.trainers import finetune
+from darl_jax.train import trainer as trainer_lib
+from darl_jax.train import step as step_lib
+from darl_jax.train.trainers import probe_grid
+from darl_jax.train import compile_count
+from darl_jax.train import fit
+from darl_jax.train import backbone as backbone_lib
 
 
 def linear_probe_config() -> ml_collections.ConfigDict:
@@ -77,7 +77,7 @@ def linear_probe_config() -> ml_collections.ConfigDict:
                  weight_decay=0.0, warmup_epochs=10.0, warmup_steps=-1,
                  schedule="cosine", layer_decay=0.0, num_layers=0,
                  frozen=["^backbone/"])
-  # The hyper-parameter grid (train/probe_grid.py); at these defaults, the
+  # The hyper-parameter grid (train/trainers/probe_grid.py); at these defaults, the
   # single setting of optim.base_lr / optim.weight_decay with mean pooling.
   c.probe = probe_grid.grid_config()
   c.probe.poolings = ("mean",)
@@ -110,10 +110,6 @@ class Probes(nn.Module):
             for name in self.blocks}
 
 
-def block_names(depth: int) -> tuple[str, ...]:
-  return tuple(f"block_{i:02d}" for i in range(depth))
-
-
 class LayerProbes(nn.Module):
   """Frozen backbone over ``[SOS, x_0 .. x_{N-1}]`` (raster) -> a probe per block.
 
@@ -127,57 +123,21 @@ class LayerProbes(nn.Module):
 
   @nn.compact
   def __call__(self, images, *, train: bool = False):
-    out = frozen_patch_tokens(self.backbone, self.patch_size, images)
-    names = block_names(self.backbone.depth)
+    out = backbone_lib.frozen_patch_tokens(self.backbone, self.patch_size, images)
+    names = backbone_lib.block_names(self.backbone.depth)
     pooled = {k: out[k].mean(1) for k in names}
     return Probes(names, self.num_classes, name="probes")(pooled, train)
 
 
-class PooledBlocks(nn.Module):
-  """The probe grid's input: frozen backbone -> ``[H, B, D]``, the pooled patch
-  tokens of every (pooling, block), pooling-major (``head_names``' order).
-  ``mean``: over the patch tokens; ``last``: the last patch token, the one
-  that has seen every patch under the causal mask."""
-  backbone: vit_lib.ViT
-  patch_size: int
-  poolings: tuple[str, ...]
-
-  @nn.compact
-  def __call__(self, images, *, train: bool = False):
-    del train                       # frozen: the heads' BatchNorm lives in the grid
-    out = frozen_patch_tokens(self.backbone, self.patch_size, images)
-    pool = {"mean": lambda t: t.mean(1), "last": lambda t: t[:, -1]}
-    return jnp.stack([pool[p](out[k]) for p in self.poolings
-                      for k in block_names(self.backbone.depth)])
-
-
 def head_names(poolings, depth: int) -> tuple[str, ...]:
   """``block_XX_<pooling>``, in ``PooledBlocks``' order."""
-  return tuple(f"{k}_{p}" for p in poolings for k in block_names(depth))
-
-
-def frozen_patch_tokens(backbone: vit_lib.ViT, patch_size: int, images) -> dict:
-  """The frozen backbone's outputs at the patch tokens: ``{block_XX, features:
-  [B, N, D]}`` float32, gradient-stopped.
-
-  Runs ``backbone`` (called from a compact module, so its parameters sit
-  under that module's ``backbone``) on ``[SOS, x_0 .. x_{N-1}]`` in raster
-  order, every patch an input, with no drop path; the SOS output is left
-  out. The probes of linear_probe.py and attentive_probe.py read it.
-  """
-  grid_hw = (images.shape[1] // patch_size, images.shape[2] // patch_size)
-  x = patches_lib.patchify(images, patch_size).astype(backbone.dtype)
-  n = x.shape[1]
-  rows, cols = np.divmod(np.arange(n), grid_hw[1])
-  out = backbone(x, rows[None], cols[None], np.arange(1, n + 1)[None], grid_hw,
-                 prepend_sos=True, train=False)   # frozen: no drop path, ever
-  return {k: jax.lax.stop_gradient(v[:, 1:].astype(jnp.float32)) for k, v in out.items()}
+  return tuple(f"{k}_{p}" for p in poolings for k in backbone_lib.block_names(depth))
 
 
 # ----------------------------------------------------------------- trainer
 
 
-class LinearProbeTrainer(loop.Trainer):
+class LinearProbeTrainer(trainer_lib.Trainer):
   """Per-block linear probes on a frozen, restored backbone: one setting
   (``LayerProbes``, trained by the loop's optimizer) or a grid of them
   (``PooledBlocks`` + probe_grid.HeadGrid, chosen on held-out rows)."""
@@ -186,7 +146,7 @@ class LinearProbeTrainer(loop.Trainer):
     super().__init__(config)
     self.grid = None                 # probe_grid.HeadGrid, built with the model
     self.held_out = None             # the held-out training rows (a grid's)
-    self.programs = programs.Count()  # the job's compiled programs, in its report
+    self.programs = compile_count.Count()  # the job's compiled programs, in its report
     if probe_grid.is_grid(config):
       probe_grid.check_loop_options(config)
 
@@ -199,14 +159,14 @@ class LinearProbeTrainer(loop.Trainer):
     return len(probe_grid.settings(self.config)) * len(self.config.probe.poolings)
 
   def make_source(self, config, split, *, train):
-    source = finetune.build_source(config, split, train=train)
+    source = backbone_lib.build_source(config, split, train=train)
     if train and self.is_grid:
       source, self.held_out = probe_grid.split_source(config, source, self.num_candidates())
     return source
 
   def check_labels(self, ctx):
     cfg = self.config
-    loop.check_image_shape(cfg, ctx.train_source)
+    trainer_lib.check_image_shape(cfg, ctx.train_source)
     if ctx.train_source.num_classes <= 1:
       raise ValueError(f"{cfg.data.name} has no class labels; a probe needs labels")
     data_lib.check_labels(ctx.eval_source, ctx.train_source.num_classes, cfg.data.eval_split)
@@ -234,7 +194,7 @@ class LinearProbeTrainer(loop.Trainer):
     self.grid = self.make_grid(ctx, BlockProbe(num_classes), len(self.head_names),
                                jax.ShapeDtypeStruct((1, backbone.width), jnp.float32),
                                shared_input=False)
-    return PooledBlocks(backbone=backbone, patch_size=patch, poolings=poolings)
+    return backbone_lib.PooledBlocks(backbone=backbone, patch_size=patch, poolings=poolings)
 
   def init_variables(self, model, rng, batch):
     variables = dict(model.init({"params": rng}, batch["image"], train=False))
@@ -243,7 +203,7 @@ class LinearProbeTrainer(loop.Trainer):
     return variables
 
   def load_pretrained(self, ctx, params):
-    return finetune.restore_backbone(ctx, self.config, params)
+    return backbone_lib.restore_backbone(ctx, self.config, params)
 
   def loss_fn(self, model, params, model_state, batch, rng, train):
     del rng
@@ -298,9 +258,9 @@ class LinearProbeTrainer(loop.Trainer):
     """``eval_fn``'s metrics over ``source`` (default: the eval split), for the
     reports ``finalize`` writes: the loop's own eval step (its uint8 -> float
     input conversion included), not a second copy of it."""
-    eval_step = jax.jit(loop.make_eval_step(self, model, jax.random.PRNGKey(0), ctx.mesh))
-    return loop.evaluate(self, model, state, source or ctx.eval_source, eval_step,
-                         sharding_lib.batch_sharding(ctx.mesh), self.config)
+    eval_step = jax.jit(step_lib.make_eval_step(self, model, jax.random.PRNGKey(0), ctx.mesh))
+    return step_lib.evaluate(self, model, state, source or ctx.eval_source, eval_step,
+                             sharding_lib.batch_sharding(ctx.mesh), self.config, ctx.resolved)
 
   def grid_scores(self, ctx, model, state) -> tuple[dict, dict]:
     """``(eval split, held-out rows)`` accuracies of every head ({} without
@@ -314,7 +274,7 @@ class LinearProbeTrainer(loop.Trainer):
     if self.grid is not None:
       return self.finalize_grid(ctx, model, state)
     scores = self.final_scores(ctx, model, state)
-    names = block_names(model.backbone.depth)
+    names = backbone_lib.block_names(model.backbone.depth)
     report = probe_report({k: scores[f"accuracy_{k}"] for k in names})
     self.write_report(ctx, state, report, {})
 
@@ -322,7 +282,7 @@ class LinearProbeTrainer(loop.Trainer):
     """The grid's report: per block the setting of the best held-out accuracy,
     its eval-split accuracy, and every candidate's two accuracies."""
     test, held = self.grid_scores(ctx, model, state)
-    names = block_names(model.backbone.depth)
+    names = backbone_lib.block_names(model.backbone.depth)
     rows = []
     for s in self.grid.settings:
       for pooling in self.config.probe.poolings:
@@ -442,40 +402,6 @@ def ridge_accuracy(train_feats, train_labels, test_feats, test_labels, num_class
   return float(np.mean(pred == np.asarray(test_labels)))
 
 
-def collect_features(features_fn, params, source, batch_size: int, max_examples: int,
-                     sharding) -> tuple[np.ndarray, np.ndarray]:
-  """Unaugmented features ``[n, D]`` and labels ``[n]`` of the first ``max_examples``
-  examples of ``source`` (0 = all), gathered on every process."""
-  feats, labels, have = [], [], 0
-  for batch in source.eval_batches(batch_size, jax.process_index(), jax.process_count()):
-    g = loop.to_global(batch, sharding)
-    f, lab, mask = multihost_utils.process_allgather(
-        (features_fn(params, loop.model_input(g)["image"]), g["label"], g["mask"]), tiled=True)
-    mask = np.asarray(mask, bool)
-    feats.append(np.asarray(f)[mask])
-    labels.append(np.asarray(lab)[mask])
-    have += int(mask.sum())
-    if max_examples and have >= max_examples:
-      break
-  n = max_examples or have
-  return np.concatenate(feats)[:n], np.concatenate(labels)[:n]
-
-
-def darl_pooled_features(model, params, images, name: str = "features"):
-  """Mean over the patch positions of a DARL model's output ``name``
-  (``features``: the final, normalised one; ``block_XX``: a block's): ``[B, D]``.
-
-  ``DARL.encode`` runs the backbone on ``[SOS, x_0 .. x_{N-2}]`` as in
-  pretraining; the SOS output is left out of the mean.
-  """
-  from darl_jax.models import darl as darl_lib
-  _, out = model.apply({"params": params}, images, train=False,
-                       method=darl_lib.DARL.encode)
-  if name not in out:
-    raise ValueError(f"the model has no output {name!r}; valid: {', '.join(sorted(out))}")
-  return out[name][:, 1:].astype(jnp.float32).mean(1)
-
-
 class RidgeProbe:
   """The pretraining evaluator: ridge-regression accuracy of frozen DARL features.
 
@@ -483,7 +409,7 @@ class RidgeProbe:
   splits of ``config.data`` named in ``config.probe_eval`` are built once.
   """
 
-  def __init__(self, config, mesh, features_fn):
+  def __init__(self, config, mesh, features_fn, eval_batch: int | None = None):
     self.cfg = config.probe_eval
     self.sharding = sharding_lib.batch_sharding(mesh)
     self.features_fn = jax.jit(features_fn)
@@ -494,12 +420,13 @@ class RidgeProbe:
     if self.train_source.num_classes <= 1:
       raise ValueError(f"probe_eval needs labels; {config.data.name} has none")
     data_lib.check_labels(self.eval_source, self.train_source.num_classes, self.cfg.eval_split)
-    self.batch_size = self.cfg.batch_size or config.eval_batch_size or config.batch_size
+    # ``eval_batch``: the run's resolved evaluation batch (train/fit.py).
+    self.batch_size = self.cfg.batch_size or eval_batch or fit.resolve(config).eval_batch
 
   def __call__(self, params) -> dict:
-    xtr, ytr = collect_features(self.features_fn, params, self.train_source,
+    xtr, ytr = backbone_lib.collect_features(self.features_fn, params, self.train_source,
                                 self.batch_size, self.cfg.num_train_examples, self.sharding)
-    xte, yte = collect_features(self.features_fn, params, self.eval_source,
+    xte, yte = backbone_lib.collect_features(self.features_fn, params, self.eval_source,
                                 self.batch_size, self.cfg.num_eval_examples, self.sharding)
     acc = ridge_accuracy(xtr, ytr, xte, yte, self.train_source.num_classes, self.cfg.l2)
     return {"probe_accuracy": acc}

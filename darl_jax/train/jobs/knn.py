@@ -1,6 +1,6 @@
 """k-nearest-neighbour classification of frozen features, per block (DINO's evaluator).
 
-    frozen backbone (the linear probe's pass: linear_probe.PooledBlocks)
+    frozen backbone (the linear probe's pass: backbone_lib.PooledBlocks)
       -> pooled features of every chosen (pooling, block), L2-normalised
       -> cosine similarity of each test image to every training image
       -> its k most similar training images vote for their labels,
@@ -90,10 +90,13 @@ from darl_jax import files
 from darl_jax import mesh_axes
 from darl_jax import sharding as sharding_lib
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import finetune
-from darl_jax.train import linear_probe
-from darl_jax.train import loop
-from darl_jax.train import probe_grid
+from darl_jax.train import trainer as trainer_lib
+from darl_jax.train import step as step_lib
+from darl_jax.train import setup as setup_lib
+from darl_jax.train import feed as feed_lib
+from darl_jax.train import fit
+from darl_jax.train.trainers import probe_grid
+from darl_jax.train import backbone as backbone_lib
 
 KS = (10, 20, 100, 200)
 TEMPERATURE = 0.07
@@ -156,9 +159,8 @@ def chosen_blocks(blocks, depth: int) -> tuple[int, ...]:
   """``knn.blocks`` as block indices in [0, depth): () = every block."""
   if not tuple(blocks):
     return tuple(range(depth))
-  from darl_jax.train import attentive_probe
   try:
-    names = attentive_probe.resolve_blocks(tuple(blocks), depth)
+    names = backbone_lib.resolve_blocks(tuple(blocks), depth)
   except ValueError as e:
     raise config_lib.ConfigError(str(e).replace("probe.blocks", "knn.blocks")) from None
   return tuple(int(n.split("_")[1]) for n in names)
@@ -325,14 +327,14 @@ def run(config, workdir: str) -> dict:
   config_lib.validate(config)
   check_config(config)
   cfg = config.knn
-  with loop.job(config, workdir, config.model.get("dtype", "float32")) as (
+  with setup_lib.job(config, workdir, config.model.get("dtype", "float32")) as (
       workdir, writer, is_main):
     mesh = sharding_lib.make_mesh(config.mesh)
     train_source = data_lib.build_source(config.data, split=config.data.train_split,
                                          seed=config.seed)
     eval_source = data_lib.build_source(config.data, split=config.data.eval_split,
                                         seed=config.seed)
-    loop.check_image_shape(config, train_source)
+    trainer_lib.check_image_shape(config, train_source)
     num_classes = train_source.num_classes
     if num_classes <= 1:
       raise ValueError(f"{config.data.name} has no class labels; a kNN classifier needs labels")
@@ -340,29 +342,30 @@ def run(config, workdir: str) -> dict:
     backbone, patch = vit_lib.vit_from_config(config.model)
     poolings = tuple(cfg.poolings)
     blocks = chosen_blocks(cfg.blocks, backbone.depth)
-    model = linear_probe.PooledBlocks(backbone=backbone, patch_size=patch, poolings=poolings)
+    model = backbone_lib.PooledBlocks(backbone=backbone, patch_size=patch, poolings=poolings)
     heads = np.array([p * backbone.depth + b for p in range(len(poolings)) for b in blocks])
     h, w, c = train_source.image_shape
     params = model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, h, w, c)))["params"]
-    ctx = loop.Context(config, workdir, mesh, train_source, eval_source, writer, 0)
-    params = finetune.restore_backbone(ctx, config, params)
+    ctx = trainer_lib.Context(config, workdir, mesh, train_source, eval_source, writer, 0)
+    params = backbone_lib.restore_backbone(ctx, config, params)
     writer.start(None, config.to_dict())
     # Replicated: a frozen forward pass keeps no optimizer state, and ViT-H/14's
     # 632M float32 parameters are 2.5 GB. (Through the host, so that a random
     # backbone's arrays, made on one device, reach every process's devices.)
     params = jax.device_put(jax.device_get(params), NamedSharding(mesh, P()))
     feats = jax.jit(features_fn(model, heads))
-    batch = config.eval_batch_size or config.batch_size
+    resolved = fit.resolve(config)
+    batch = resolved.eval_batch
     rows = sharding_lib.batch_sharding(mesh)
     started = time.time()
 
-    # Batches of batch_size, as every evaluation counts them (loop.eval_cap).
+    # Batches of batch_size, as every evaluation counts them (step_lib.eval_cap).
     max_test = config.eval_max_batches * config.batch_size
-    test_x, test_y = linear_probe.collect_features(feats, params, eval_source, batch,
+    test_x, test_y = backbone_lib.collect_features(feats, params, eval_source, batch,
                                                    max_test, rows)
     scorer = Scorer(mesh, np.asarray(test_x, np.float32), cfg.ks, cfg.test_chunk_size)
     num_train = stream_train(scorer, feats, params, train_source, batch, rows,
-                             cfg.num_train_examples, config.data.get("num_workers", -1))
+                             cfg.num_train_examples, resolved.num_workers)
     preds = scorer.predictions(num_classes, float(cfg.temperature))
     acc = (preds == np.asarray(test_y)[None, :, None]).mean(1)          # [len(ks), H]
     logging.info("kNN of %d test against %d training images in %.0f s", len(test_y),
@@ -388,12 +391,12 @@ def stream_train(scorer: Scorer, feats, params, source, batch_size: int, shardin
   seen = 0
   for batch in source.eval_batches(batch_size, jax.process_index(), jax.process_count(),
                                    num_workers):
-    g = loop.to_global(batch, sharding)
+    g = feed_lib.to_global(batch, sharding)
     valid = g["mask"]
     if max_examples:
       position = jnp.arange(seen, seen + valid.shape[0])
       valid = jnp.logical_and(valid, position < max_examples)
-    x = feats(params, loop.model_input(g)["image"])
+    x = feats(params, feed_lib.model_input(g)["image"])
     scorer.add(x, g["label"], valid)
     seen += valid.shape[0]
     if max_examples and seen >= max_examples:

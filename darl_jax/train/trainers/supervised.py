@@ -16,7 +16,7 @@ decay.
 
 from __future__ import annotations
 
-from darl_jax.train import finetune
+from darl_jax.train.trainers import finetune
 
 
 def supervised_config():

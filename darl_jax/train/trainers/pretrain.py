@@ -26,18 +26,22 @@ from darl_jax import patches
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import accumulate
-from darl_jax.train import loop
+from darl_jax.train import trainer as trainer_lib
+from darl_jax.train import step as step_lib
+from darl_jax.train import feed as feed_lib
+from darl_jax.train import backbone as backbone_lib
+from darl_jax.models import vit as vit_lib
 
 
-class PretrainTrainer(loop.Trainer):
+class PretrainTrainer(trainer_lib.Trainer):
   """Owns the DARL model, its loss, its validation loss and the prediction picture."""
 
   def build_model(self, ctx):
-    loop.check_image_shape(self.config, ctx.train_source)
+    trainer_lib.check_image_shape(self.config, ctx.train_source)
     fewshot_cfg = self.config.get("fewshot_eval")
     if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
-      from darl_jax.train import fewshot   # a wrong feature name fails before training
-      fewshot.check_features_name(fewshot_cfg.features, fewshot.model_depth(self.config.model))
+      from darl_jax.train.jobs import fewshot   # a wrong feature name fails before training
+      fewshot.check_features_name(fewshot_cfg.features, vit_lib.depth(self.config.model))
     return darl_lib.darl_from_config(self.config)
 
   def init_variables(self, model, rng, batch):
@@ -78,7 +82,7 @@ class PretrainTrainer(loop.Trainer):
   def eval_fn(self, model, params, model_state, batch, rng):
     """Per-example validation loss; diffusion at a fixed gamma grid. Each
     example's draws (noise, prefix length, a two-stream model's random
-    order) come from its own key (loop.example_keys of its index in the
+    order) come from its own key (step_lib.example_keys of its index in the
     eval split), so its loss does not depend on the evaluation batch."""
     gammas = None
     if self.config.loss.kind == "diffusion":
@@ -93,7 +97,7 @@ class PretrainTrainer(loop.Trainer):
         draws["perm"] = patches.random_permutations(jax.random.fold_in(stream, 7), 1, n)
       return jax.tree.map(lambda x: x[0], draws)
 
-    draws = jax.vmap(example_draws)(loop.example_keys(rng, batch["index"]))
+    draws = jax.vmap(example_draws)(step_lib.example_keys(rng, batch["index"]))
     _, metrics = model.apply({"params": params}, batch["image"], train=False,
                              method=objectives.loss_given_noise, **draws)
     return {"loss": metrics["per_example_loss"]}
@@ -102,20 +106,22 @@ class PretrainTrainer(loop.Trainer):
     """Evaluators on frozen features, each when its section is enabled:
     ``probe_accuracy`` (a ridge probe, ``probe_eval``) and
     ``fewshot_<k>shot`` / ``fewshot_<k>shot_std`` (few-shot ridge
-    regression as big_vision evaluates it, ``fewshot_eval``; train/fewshot.py)."""
+    regression as big_vision evaluates it, ``fewshot_eval``; train/jobs/fewshot.py)."""
     scores = {}
     probe_cfg = self.config.get("probe_eval")
     if probe_cfg is not None and probe_cfg.get("enabled", False):
       if getattr(self, "_ridge_probe", None) is None:
-        from darl_jax.train import linear_probe
+        from darl_jax.train.trainers import linear_probe
         self._ridge_probe = linear_probe.RidgeProbe(
-            self.config, ctx.mesh, lambda p, x: linear_probe.darl_pooled_features(model, p, x))
+            self.config, ctx.mesh, lambda p, x: backbone_lib.darl_pooled_features(model, p, x),
+            eval_batch=ctx.resolved.eval_batch if ctx.resolved else None)
       scores.update(self._ridge_probe(state["params"]))
     fewshot_cfg = self.config.get("fewshot_eval")
     if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
       if getattr(self, "_fewshot", None) is None:
-        from darl_jax.train import fewshot
-        self._fewshot = fewshot.from_pretrain_config(self.config, ctx.mesh, model)
+        from darl_jax.train.jobs import fewshot
+        self._fewshot = fewshot.from_pretrain_config(
+            self.config, ctx.mesh, model, ctx.resolved.eval_batch if ctx.resolved else None)
       scores.update(self._fewshot(state["params"]))
     return scores
 
@@ -140,7 +146,7 @@ class PretrainTrainer(loop.Trainer):
 
   def _picture(self, model):
     def picture(params, images, key):
-      images = loop.model_input({"image": images})["image"]
+      images = feed_lib.model_input({"image": images})["image"]
       return images, sampling.predict_patches(model, params, images, key,
                                               num_steps=self.config.predictions.num_steps)
     return jax.jit(picture)
@@ -176,7 +182,7 @@ def _picture_shardings(mesh, params):
   """Where the picture runs: one process, on the mesh as the parameters lie
   (nothing moves; images and key replicated); several processes, on process
   0's first device alone (``finalize`` runs there only, on parameters
-  loop.host_readable replicated). Returns ``(a sharding per parameter, the
+  step_lib.host_readable replicated). Returns ``(a sharding per parameter, the
   images' and key's sharding)``."""
   if jax.process_count() == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -35,7 +35,7 @@ the head to a fixed size (models/heads.py: the task's classes are a
 variable of the model state, the rest masked), so that tasks with other
 class counts share the train and evaluation steps (VTAB); only the state's
 initialisation, which sets that variable, is one program per class count.
-Each run logs at its end how many programs it compiled (train/programs.py).
+Each run logs at its end how many programs it compiled (train/compile_count.py).
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from absl import logging
 from ml_collections.config_dict import placeholder
 
 from darl_jax import config_lib
-from darl_jax import ema as ema_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax import data as data_lib
 from darl_jax.data import mixup as mixup_lib
-from darl_jax.data import randaugment
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import loop
-from darl_jax.train import programs
-from darl_jax.train import transfer
+from darl_jax.train import trainer as trainer_lib
+from darl_jax.train import step as step_lib
+from darl_jax.train import compile_count
+from darl_jax.train import backbone as backbone_lib
 
 
 def finetune_config() -> ml_collections.ConfigDict:
@@ -90,48 +90,7 @@ def finetune_config() -> ml_collections.ConfigDict:
   return c
 
 
-def backbone_depth(model_cfg) -> int:
-  variant, _ = vit_lib.parse_variant(model_cfg.variant)
-  return int(model_cfg.get("depth", 0) or variant.depth)
-
-
-def build_source(config, split: str, *, train: bool):
-  """The split's source: VTAB tasks by name (``data.name="vtab"``), the registry
-  otherwise; RandAugment on the training split when ``config.randaugment.num_ops``."""
-  if config.data.name == "vtab":
-    from darl_jax.data import vtab_tasks  # TensorFlow only when asked for
-    source = vtab_tasks.build_source(config.data, split=split, seed=config.seed)
-  else:
-    source = data_lib.build_source(config.data, split=split, seed=config.seed)
-  ra = config.get("randaugment")
-  if train and ra is not None and ra.num_ops > 0:
-    source = randaugment.RandAugmentSource(
-        source, seed=config.seed, num_ops=ra.num_ops, magnitude=ra.magnitude,
-        magnitude_std=ra.magnitude_std, prob=ra.prob)
-  return source
-
-
-def restore_backbone(ctx, config, params):
-  """``params`` with the backbone of ``config.init_from`` swapped in (if set);
-  writes ``init_report.json`` (loaded / dropped / newly initialised)."""
-  init_from = config.get("init_from", "")
-  if not init_from:
-    logging.info("init_from is empty: the backbone starts from random initialisation")
-    return params
-  step = config.get("init_step", -1)
-  try:
-    merged, report = transfer.restore_into(params, init_from,
-                                           step=None if step is None or step < 0 else step,
-                                           model_config=config.get("model"),
-                                           use_ema=config.get("use_ema", None))
-  except ema_lib.MissingEmaError as e:
-    raise ema_lib.MissingEmaError(
-        f"{e}: leave out --config.use_ema to load its parameters") from None
-  transfer.write_report(ctx.workdir, report)
-  return merged
-
-
-class FinetuneTrainer(loop.Trainer):
+class FinetuneTrainer(trainer_lib.Trainer):
   """A ``Classifier`` trained with soft targets; restores its backbone from a checkpoint."""
 
   def __init__(self, config):
@@ -139,20 +98,20 @@ class FinetuneTrainer(loop.Trainer):
     optim_cfg = config.optim
     if optim_cfg.get("layer_decay") and not optim_cfg.get("num_layers"):
       # The decay is per backbone block: default the depth from the variant.
-      optim_cfg.num_layers = backbone_depth(config.model)
+      optim_cfg.num_layers = vit_lib.depth(config.model)
     self._at_size = {}   # eval_image_sizes: size -> (eval source, jitted eval step)
-    self.programs = programs.Count()   # logged by finalize
+    self.programs = compile_count.Count()   # logged by finalize
 
   # -------------------------------------------------------------- data
 
   def make_source(self, config, split: str, *, train: bool):
-    return build_source(config, split, train=train)
+    return backbone_lib.build_source(config, split, train=train)
 
   # ------------------------------------------------------------- model
 
   def build_model(self, ctx):
     cfg = self.config
-    loop.check_image_shape(cfg, ctx.train_source)
+    trainer_lib.check_image_shape(cfg, ctx.train_source)
     num_classes = ctx.train_source.num_classes
     if num_classes <= 1:
       raise ValueError(f"{cfg.data.name} has no class labels (num_classes={num_classes}); "
@@ -172,7 +131,7 @@ class FinetuneTrainer(loop.Trainer):
     return dict(model.init({"params": rng}, batch["image"], train=False))
 
   def load_pretrained(self, ctx, params):
-    return restore_backbone(ctx, self.config, params)
+    return backbone_lib.restore_backbone(ctx, self.config, params)
 
   # -------------------------------------------------------- loss / eval
 
@@ -223,10 +182,10 @@ class FinetuneTrainer(loop.Trainer):
                                          or cfg.model.image_size)
       resized = model.clone(backbone=vit_lib.vit_from_config(at.model)[0])
       source = self.make_source(at, at.data.eval_split, train=False)
-      step = loop.make_eval_step(self, resized, jax.random.PRNGKey(cfg.seed), ctx.mesh)
+      step = step_lib.make_eval_step(self, resized, jax.random.PRNGKey(cfg.seed), ctx.mesh)
       self._at_size[size] = (source, jax.jit(step))
     source, step = self._at_size[size]
-    scores = loop.evaluate(self, None, state, source, step,
+    scores = step_lib.evaluate(self, None, state, source, step,
                            sharding_lib.batch_sharding(ctx.mesh), cfg)
     return scores["accuracy"]
 

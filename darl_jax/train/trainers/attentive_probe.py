@@ -8,7 +8,7 @@ AIM (El-Nouby et al., 2024) evaluates its autoregressive image models with
 this probe rather than a linear one on mean-pooled features: a causal
 backbone's patch tokens carry unequal amounts of the image (the first token
 has seen one patch, the last all of them), and a learned pooling can weigh
-them. Everything else follows the linear probe (train/linear_probe.py,
+them. Everything else follows the linear probe (train/trainers/linear_probe.py,
 whose trainer this one extends): the same frozen backbone pass (causal, no
 drop path, gradient-stopped outputs, ``optim.frozen=["^backbone/"]``), the
 same BatchNorm + linear head on the pooled vector, the same loss with label
@@ -33,7 +33,7 @@ Metrics: ``val_accuracy`` (and ``val_loss``); at the end
 A grid of learning rates x weight decays (``probe.learning_rates``,
 ``probe.weight_decays``): one attentive probe per setting over the same
 chosen blocks, all trained on the one frozen pass and chosen on held-out
-training rows (train/probe_grid.py); ``attentive_probe.json`` then also
+training rows (train/trainers/probe_grid.py); ``attentive_probe.json`` then also
 holds the chosen setting, its held-out accuracy and the full grid.
 """
 
@@ -49,9 +49,9 @@ from darl_jax import files
 from darl_jax.data import mixup as mixup_lib
 from darl_jax.models import probe_heads
 from darl_jax.models import vit as vit_lib
-from darl_jax.train import linear_probe
-from darl_jax.train import loop
-from darl_jax.train import probe_grid
+from darl_jax.train.trainers import linear_probe
+from darl_jax.train.trainers import probe_grid
+from darl_jax.train import backbone as backbone_lib
 
 
 def attentive_probe_config() -> ml_collections.ConfigDict:
@@ -76,20 +76,6 @@ def attentive_probe_config() -> ml_collections.ConfigDict:
                  weight_decay=0.05, warmup_epochs=5.0, warmup_steps=-1,
                  schedule="cosine", frozen=["^backbone/"])
   return c
-
-
-def resolve_blocks(blocks, depth: int) -> tuple[str, ...]:
-  """Block indices (negative from the end) -> ``block_XX`` names, in the
-  given order; an index out of range or a repeated block is a ValueError."""
-  names = []
-  for i in blocks:
-    if isinstance(i, bool) or not isinstance(i, int) or not -depth <= i < depth:
-      raise ValueError(f"probe.blocks holds {i!r}; the backbone has {depth} blocks: use "
-                       f"indices in [{-depth}, {depth - 1}], e.g. --config.probe.blocks=(-1,)")
-    names.append(f"block_{i % depth:02d}")
-  if not names or len(set(names)) != len(names):
-    raise ValueError(f"probe.blocks must name distinct blocks, got {tuple(blocks)!r}")
-  return tuple(names)
 
 
 class AttentiveHead(nn.Module):
@@ -130,7 +116,7 @@ class ChosenTokens(nn.Module):
   @nn.compact
   def __call__(self, images, *, train: bool = False):
     del train
-    tokens = linear_probe.frozen_patch_tokens(self.backbone, self.patch_size, images)
+    tokens = backbone_lib.frozen_patch_tokens(self.backbone, self.patch_size, images)
     return jnp.concatenate([tokens[k] for k in self.blocks], axis=1)
 
 
@@ -145,7 +131,7 @@ class AttentiveProbe(nn.Module):
 
   @nn.compact
   def __call__(self, images, *, train: bool = False):
-    tokens = linear_probe.frozen_patch_tokens(self.backbone, self.patch_size, images)
+    tokens = backbone_lib.frozen_patch_tokens(self.backbone, self.patch_size, images)
     logits, _ = AttentiveHead(self.blocks, self.num_heads, self.num_classes,
                               name="head")(tokens, train)
     return {"attentive": logits}
@@ -166,7 +152,7 @@ class AttentiveProbeTrainer(linear_probe.LinearProbeTrainer):
     if heads < 1 or backbone.width % heads:
       raise ValueError(f"probe.num_heads {cfg.probe.num_heads} does not divide the width "
                        f"{backbone.width}; set --config.probe.num_heads=0 (the backbone's)")
-    blocks = resolve_blocks(tuple(cfg.probe.blocks), backbone.depth)
+    blocks = backbone_lib.resolve_blocks(tuple(cfg.probe.blocks), backbone.depth)
     num_classes = ctx.train_source.num_classes
     if not self.is_grid:
       return AttentiveProbe(backbone=backbone, patch_size=patch, num_classes=num_classes,

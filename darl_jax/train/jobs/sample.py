@@ -28,9 +28,9 @@ optimizer, state or checkpoint, only the workdir contract (a lock,
    classifier trained here on the training split still recognises each
    image's class in its completions, and how many programs the job compiled
    (``programs_compiled``; ``programs_loaded_from_cache``: those the
-   persistent compilation cache of loop.job gave, so a rerun of the same
+   persistent compilation cache of setup_lib.job gave, so a rerun of the same
    model, batch and sampling settings compiles none of its sampling
-   programs; train/programs.py).
+   programs; train/compile_count.py).
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ from darl_jax import ema as ema_lib
 from darl_jax import files
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
-from darl_jax.train import loop
-from darl_jax.train import programs
+from darl_jax.train import setup as setup_lib
+from darl_jax.train import feed as feed_lib
+from darl_jax.train import compile_count
+from darl_jax.train import backbone as backbone_lib
 
 
 def sample_config() -> ml_collections.ConfigDict:
@@ -85,39 +87,6 @@ def sample_config() -> ml_collections.ConfigDict:
   return c
 
 
-def load_pretrain_config(init_from: str, step: int | None = None
-                         ) -> tuple[ml_collections.ConfigDict, int]:
-  """``(config, step)``: the resolved config stored with the pretraining
-  run's checkpoint ``step`` (None: the newest that reads) and that step, whose
-  parameters :func:`run` then loads. Checkpoints from before the meta held
-  the config fall back to the workdir's config.json."""
-  try:
-    step, meta = checkpoint_lib.read_meta(init_from, step=step)
-    stored = checkpoint_lib.stored_config(init_from, meta)
-  except FileNotFoundError as e:
-    raise FileNotFoundError(
-        f"{e}; set --config.init_from to the workdir of a pretraining run (python -m "
-        "darl_jax.main --config=experiments/fashion_mnist_diff.py --workdir=<dir>)") from e
-  return ml_collections.ConfigDict(stored), step
-
-
-def check_params(model, image_shape, params) -> None:
-  """Fails naming the parameters whose shapes differ from the rebuilt model's."""
-  h, w, c = image_shape
-  abstract = jax.eval_shape(
-      lambda: model.init({"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(0)},
-                         jnp.zeros((1, h, w, c)), train=False))["params"]
-  want = {jax.tree_util.keystr(k): v.shape
-          for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
-  have = {jax.tree_util.keystr(k): np.shape(v)
-          for k, v in jax.tree_util.tree_leaves_with_path(params)}
-  diffs = [f"{k}: {have.get(k)} in the checkpoint, {want.get(k)} in the model"
-           for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
-  if diffs:
-    raise ValueError("the checkpoint does not fit the model its config describes: "
-                     + "; ".join(diffs[:10]))
-
-
 def resolve(config) -> tuple[ml_collections.ConfigDict, int]:
   """``(pretraining config, checkpoint step)`` for a sampling ``config``, with
   the ``sample.*`` overrides applied; fails naming the fix before anything
@@ -128,7 +97,7 @@ def resolve(config) -> tuple[ml_collections.ConfigDict, int]:
   if s.condition not in sampling.CONDITIONS:
     raise ValueError(f"unknown sample.condition {s.condition!r}; valid: "
                      f"{', '.join(sampling.CONDITIONS)}")
-  pre, step = load_pretrain_config(config.init_from,
+  pre, step = backbone_lib.load_pretrain_config(config.init_from,
                                    None if config.init_step < 0 else config.init_step)
   if s.get("use_ema") and not pre.get("ema_decay", 0.0):
     raise ema_lib.MissingEmaError(
@@ -152,11 +121,11 @@ def run(config, workdir: str) -> dict:
   written (atomically) once the checks passed, metrics.jsonl started afresh
   (a rerun writes every record again). No checkpoints.
   """
-  count = programs.Count()
+  count = compile_count.Count()
   config_lib.validate(config)
   pre, step = resolve(config)
   dtype = pre.model.get("dtype", "float32")
-  with loop.job(config, workdir, dtype) as (workdir, writer, is_main):
+  with setup_lib.job(config, workdir, dtype) as (workdir, writer, is_main):
     model = darl_lib.darl_from_config(pre)
     writer.start(None, config.to_dict())
     if not is_main:
@@ -165,17 +134,17 @@ def run(config, workdir: str) -> dict:
 
 
 def complete(config, pre, step: int, model, workdir, writer,
-             count: programs.Count | None = None) -> dict:
+             count: compile_count.Count | None = None) -> dict:
   """Loads the parameters, completes the images, writes the artifacts.
   ``count``: the job's program count (default: from this call on)."""
   if count is None:
-    count = programs.Count()
+    count = compile_count.Count()
   s = config.sample
   image_shape = (pre.model.image_size, pre.model.image_size, pre.model.get("channels", 3))
   # The step whose config built the model (load_pretrain_config).
   params, meta = checkpoint_lib.restore_params(config.init_from, step=step,
                                                use_ema=s.get("use_ema"))
-  check_params(model, image_shape, params)
+  backbone_lib.check_params(model, image_shape, params)
   params = jax.device_put(params)
   logging.info("sampling from %s (step %s, %s)", config.init_from, meta.get("step"),
                "its EMA weights" if meta["restored_weights"] == "ema" else "its parameters")
@@ -234,7 +203,7 @@ def first_images(data_cfg, split: str, num: int, seed: int):
     if sum(len(x) for x in images) >= num:
       break
   images, labels = np.concatenate(images)[:num], np.concatenate(labels)[:num]
-  images = np.asarray(loop.model_input({"image": images})["image"])   # uint8 -> [-1, 1]
+  images = np.asarray(feed_lib.model_input({"image": images})["image"])   # uint8 -> [-1, 1]
   if len(images) < num:
     raise ValueError(f"split {split!r} has only {len(images)} images; lower sample.num_images")
   return images.astype(np.float32), labels, source.num_classes
@@ -328,7 +297,7 @@ def train_pixel_classifier(data_cfg, num_classes: int, steps: int, batch_size: i
   batches = source.train_batches(batch_size)
   for _ in range(steps):
     batch = next(batches)
-    params, opt, _ = step(params, opt, loop.model_input(batch)["image"], batch["label"])
+    params, opt, _ = step(params, opt, feed_lib.model_input(batch)["image"], batch["label"])
   predict = jax.jit(lambda x: jnp.argmax(logits(params, x), -1))
   return lambda x: np.concatenate([np.asarray(predict(x[i:i + 1024]))
                                    for i in range(0, len(x), 1024)])

@@ -1,0 +1,1 @@
+"""Jobs with a driver of their own (nothing to train): sampling, few-shot, kNN, VTAB."""
