@@ -154,7 +154,7 @@ def pretrain_config() -> ml_collections.ConfigDict:
 def probe_eval_config() -> ml_collections.ConfigDict:
   """``config.probe_eval``: a closed-form ridge probe on frozen mean-pooled
   features, fitted at every evaluation of a pretraining run and logged as
-  ``val_probe_accuracy`` (train/trainers/linear_probe.py). Off by default."""
+  ``val_probe_accuracy`` (train/evaluators.py). Off by default."""
   return ml_collections.ConfigDict({
       "enabled": False, "train_split": "train", "eval_split": "validation",
       "num_train_examples": 5000, "num_eval_examples": 2000, "l2": 1e-3,
@@ -163,7 +163,7 @@ def probe_eval_config() -> ml_collections.ConfigDict:
 
 def fewshot_eval_config() -> ml_collections.ConfigDict:
   """``config.fewshot_eval``: few-shot linear classification as big_vision
-  evaluates during pretraining (train/jobs/fewshot.py): closed-form ridge
+  evaluates during pretraining (train/evaluators.py): closed-form ridge
   regression of one-hot targets on frozen, mean-pooled features of
   ``shots`` examples per class drawn from ``support_split`` (one draw per
   seed ``0 .. num_seeds - 1``), scored on the first ``num_query_examples``

@@ -16,7 +16,7 @@ epochs, 90 epochs at batch 1024, label smoothing 0.1, spatial augmentation.
 By default a grid, as AIM (ml-l3m's probe_hparam_search) evaluates: base
 learning rates 3e-4, 1e-3, 3e-3 (x batch / 256) x weight decays 0.05, 0.3,
 six probes trained in one frozen pass and chosen on held-out training rows
-(min(2%, 10000); train/trainers/probe_grid.py). The held-out rows need an
+(min(2%, 10000); train/probe_grid.py). The held-out rows need an
 index-addressable source: imagenet2012 prepared as ArrayRecord (``tfds build
 imagenet2012 --file_format=array_record``) or an image folder. One setting:
 --config.probe.learning_rates='(1e-3,)' --config.probe.weight_decays='(0.05,)'.

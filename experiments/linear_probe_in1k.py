@@ -12,7 +12,7 @@ weight decay 0), label
 smoothing 0.1, spatial augmentation, batch 16384, cosine with 10 warm-up
 epochs, 90 epochs. One forward pass trains one probe per block.
 
-By default a grid, as DINOv2 and AIM evaluate (train/trainers/probe_grid.py,
+By default a grid, as DINOv2 and AIM evaluate (train/probe_grid.py,
 docs/PROBES.md): 8 base learning rates (0.025 to 3.2, spaced by 2, the
 paper's 0.1 among them) x 2 poolings (mean, last token) on every block,
 each block's setting chosen on held-out training rows (min(2%, 10000)),

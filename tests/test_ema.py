@@ -23,7 +23,7 @@ from darl_jax.train import trainer as trainer_lib
 from darl_jax.train import step as step_lib
 from darl_jax.train.trainers import pretrain
 from darl_jax.train.jobs import sample as sample_lib
-from darl_jax.train.trainers import transfer
+from darl_jax.train import transfer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

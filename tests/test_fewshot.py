@@ -12,7 +12,7 @@ import pytest
 
 from darl_jax import config_lib
 from darl_jax import metrics as metrics_lib
-from darl_jax.train.jobs import fewshot
+from darl_jax.train import evaluators as fewshot  # the few-shot fit and evaluator
 from darl_jax.train import backbone as backbone_lib
 from xla_env import cpu_devices_flags
 

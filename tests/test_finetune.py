@@ -20,7 +20,7 @@ from darl_jax.train import loop
 from darl_jax.train import feed as feed_lib
 from darl_jax.train.trainers import pretrain
 from darl_jax.train.trainers import supervised
-from darl_jax.train.trainers import transfer
+from darl_jax.train import transfer
 from darl_jax.train import backbone as backbone_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The probe grid (train/trainers/probe_grid.py): each head trains as it would alone at
+"""The probe grid (train/probe_grid.py): each head trains as it would alone at
 its setting, the held-out rows are apart from everything else, the report
 holds the choice and the grid."""
 
@@ -17,7 +17,7 @@ from darl_jax.studies import spec as S
 from darl_jax.train.trainers import attentive_probe
 from darl_jax.train.trainers import linear_probe
 from darl_jax.train import loop
-from darl_jax.train.trainers import probe_grid
+from darl_jax.train import probe_grid
 from darl_jax.train import backbone as backbone_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from darl_jax import workdir as workdir_lib
 from darl_jax.train import loop
 from darl_jax.train.trainers import pretrain
 from darl_jax.train import backbone as backbone_lib
-from darl_jax.train.trainers import transfer
+from darl_jax.train import transfer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")

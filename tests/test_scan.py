@@ -34,7 +34,7 @@ from darl_jax.models import darl as darl_lib
 from darl_jax.models import heads, layers, vit
 from darl_jax.train.trainers import finetune
 from darl_jax.train.trainers import pretrain
-from darl_jax.train.trainers import transfer
+from darl_jax.train import transfer
 from darl_jax.train import loop
 from darl_jax.train import state as state_lib
 

@@ -47,7 +47,7 @@ def attentive_probe(scale: S.Scale, parent: S.Stage | None, seed: int,
                  scale.probe_overrides, {"probe.blocks": blocks, "seed": seed}, parent=parent)
 
 
-# The probe grids (train/trainers/probe_grid.py) per scale: (linear, attentive)
+# The probe grids (train/probe_grid.py) per scale: (linear, attentive)
 # overrides, chosen on held-out training rows. Learning rates are spaced by 2
 # (linear, LARS: around the scale's single rate, 6.4 or 32) and by ~3
 # (attentive, AdamW: around 1e-3), as DINOv2's and l3m's grids are. The

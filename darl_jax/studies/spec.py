@@ -89,7 +89,7 @@ KEYS_ADDED = {
     "eval_with_ema": True,
     "use_ema": None,
     "fewshot_eval": config_lib.fewshot_eval_config().to_dict(),
-    # The probe grid (train/trainers/probe_grid.py) at its single setting: the linear
+    # The probe grid (train/probe_grid.py) at its single setting: the linear
     # probe's whole ``probe`` dict, then the attentive probe's grid keys
     # beside its blocks and heads.
     "probe": {"learning_rates": [], "weight_decays": [], "holdout_size": -1,
@@ -98,7 +98,7 @@ KEYS_ADDED = {
     "probe.weight_decays": [],
     "probe.holdout_size": -1,
     "probe.poolings": ["mean"],
-    # The padded classifier head (train/trainers/finetune.py, VTAB's shared steps):
+    # The padded classifier head (train/classifier.py, VTAB's shared steps):
     # 0 = the data's class count, as before.
     "head.num_classes": 0,
 }

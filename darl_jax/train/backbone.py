@@ -26,7 +26,7 @@ from darl_jax import patches as patches_lib
 from darl_jax.data import randaugment
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import feed as feed_lib
-from darl_jax.train.trainers import transfer
+from darl_jax.train import transfer
 
 
 def build_source(config, split: str, *, train: bool):

@@ -95,7 +95,7 @@ from darl_jax.train import step as step_lib
 from darl_jax.train import setup as setup_lib
 from darl_jax.train import feed as feed_lib
 from darl_jax.train import fit
-from darl_jax.train.trainers import probe_grid
+from darl_jax.train import probe_grid
 from darl_jax.train import backbone as backbone_lib
 
 KS = (10, 20, 100, 200)

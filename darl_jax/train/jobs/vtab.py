@@ -63,8 +63,9 @@ from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import workdir as workdir_lib
 from darl_jax.data import vtab_tasks
-from darl_jax.train.trainers import finetune
+from darl_jax.train import classifier
 from darl_jax.train import compile_count
+from darl_jax.train import trainers as trainers_lib
 
 PAPER_SWEEP = {
     "drop_path": [0.0, 0.1, 0.2],
@@ -79,7 +80,7 @@ JOB = "vtab"      # the suite folder's job kind (its config.json)
 
 def vtab_config() -> ml_collections.ConfigDict:
   """``finetune_config`` re-set to the VTAB table, plus ``vtab.{tasks, sweep}``."""
-  c = finetune.finetune_config()
+  c = classifier.finetune_config()
   c.batch_size = 256
   c.total_steps = 20_000
   c.log_every_steps = 100
@@ -152,7 +153,7 @@ def run_one(config, workdir: epath.Path) -> float:
   # the marker has nothing left to train; its final evaluation is then the
   # last val_accuracy in its metrics.jsonl.
   count = compile_count.Count()
-  last = loop.run(finetune.FinetuneTrainer(config), config, str(workdir))
+  last = loop.run(trainers_lib.get_trainer("finetune")(config), config, str(workdir))
   if "val_accuracy" not in last:
     last = metrics_lib.final_metrics(str(workdir))
     if last.get("val_accuracy") is None:

@@ -2,9 +2,10 @@
 
 Each module here owns one trainer's model, loss and predictions
 (train/trainer.py's hooks): pretrain, finetune, supervised, linear_probe,
-attentive_probe; probe_grid (the linear probe's grid of heads) and transfer
-(a backbone's parameters swapped into a model) are theirs. Jobs with a
-driver of their own live in train/jobs/.
+attentive_probe. None imports another (tests/test_train_rooms.py): what
+they share lives in train/ (classifier.py, probe.py, probe_grid.py,
+evaluators.py, backbone.py, transfer.py). Jobs with a driver of their own
+live in train/jobs/ and reach a trainer through this registry.
 
 The registry is kept apart from main.py (the absl entry point, which
 defines flags on import) so that other commands (darl_jax/compile.py, the

@@ -8,8 +8,8 @@ AIM (El-Nouby et al., 2024) evaluates its autoregressive image models with
 this probe rather than a linear one on mean-pooled features: a causal
 backbone's patch tokens carry unequal amounts of the image (the first token
 has seen one patch, the last all of them), and a learned pooling can weigh
-them. Everything else follows the linear probe (train/trainers/linear_probe.py,
-whose trainer this one extends): the same frozen backbone pass (causal, no
+them. Everything else follows the linear probe (train/trainers/linear_probe.py;
+both extend train/probe.py's ``ProbeTrainer``): the same frozen backbone pass (causal, no
 drop path, gradient-stopped outputs, ``optim.frozen=["^backbone/"]``), the
 same BatchNorm + linear head on the pooled vector, the same loss with label
 smoothing, the same backbone restore from ``init_from``.
@@ -33,7 +33,7 @@ Metrics: ``val_accuracy`` (and ``val_loss``); at the end
 A grid of learning rates x weight decays (``probe.learning_rates``,
 ``probe.weight_decays``): one attentive probe per setting over the same
 chosen blocks, all trained on the one frozen pass and chosen on held-out
-training rows (train/trainers/probe_grid.py); ``attentive_probe.json`` then also
+training rows (train/probe_grid.py); ``attentive_probe.json`` then also
 holds the chosen setting, its held-out accuracy and the full grid.
 """
 
@@ -49,9 +49,9 @@ from darl_jax import files
 from darl_jax.data import mixup as mixup_lib
 from darl_jax.models import probe_heads
 from darl_jax.models import vit as vit_lib
-from darl_jax.train.trainers import linear_probe
-from darl_jax.train.trainers import probe_grid
 from darl_jax.train import backbone as backbone_lib
+from darl_jax.train import probe as probe_lib
+from darl_jax.train import probe_grid
 
 
 def attentive_probe_config() -> ml_collections.ConfigDict:
@@ -63,7 +63,7 @@ def attentive_probe_config() -> ml_collections.ConfigDict:
   not a published table: AIM sweeps its probe's learning rate and weight
   decay per model.
   """
-  c = linear_probe.linear_probe_config()
+  c = probe_lib.linear_probe_config()
   c.trainer = "attentive_probe"
   # blocks: indices into the backbone's blocks (-1: the last);
   # num_heads: 0 = the backbone's number of heads. The grid keys
@@ -90,7 +90,7 @@ class AttentiveHead(nn.Module):
   def __call__(self, tokens: dict, train: bool):
     x = jnp.concatenate([tokens[k] for k in self.blocks], axis=1)
     pooled = probe_heads.AttentionPool(self.num_heads, name="pool")(x)
-    return linear_probe.BlockProbe(self.num_classes, name="probe")(pooled, train), pooled
+    return probe_lib.BlockProbe(self.num_classes, name="probe")(pooled, train), pooled
 
 
 class TokenProbe(nn.Module):
@@ -103,7 +103,7 @@ class TokenProbe(nn.Module):
   @nn.compact
   def __call__(self, tokens, train: bool):
     pooled = probe_heads.AttentionPool(self.num_heads, name="pool")(tokens)
-    return linear_probe.BlockProbe(self.num_classes, name="probe")(pooled, train)
+    return probe_lib.BlockProbe(self.num_classes, name="probe")(pooled, train)
 
 
 class ChosenTokens(nn.Module):
@@ -137,12 +137,9 @@ class AttentiveProbe(nn.Module):
     return {"attentive": logits}
 
 
-class AttentiveProbeTrainer(linear_probe.LinearProbeTrainer):
+class AttentiveProbeTrainer(probe_lib.ProbeTrainer):
   """One attentive probe over the chosen blocks of a frozen, restored backbone,
   or a grid of them (one per setting)."""
-
-  def num_candidates(self) -> int:
-    return len(probe_grid.settings(self.config))
 
   def build_model(self, ctx):
     cfg = self.config

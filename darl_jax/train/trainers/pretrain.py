@@ -26,6 +26,7 @@ from darl_jax import patches
 from darl_jax import sampling
 from darl_jax.models import darl as darl_lib
 from darl_jax.train import accumulate
+from darl_jax.train import evaluators
 from darl_jax.train import trainer as trainer_lib
 from darl_jax.train import step as step_lib
 from darl_jax.train import feed as feed_lib
@@ -40,8 +41,8 @@ class PretrainTrainer(trainer_lib.Trainer):
     trainer_lib.check_image_shape(self.config, ctx.train_source)
     fewshot_cfg = self.config.get("fewshot_eval")
     if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
-      from darl_jax.train.jobs import fewshot   # a wrong feature name fails before training
-      fewshot.check_features_name(fewshot_cfg.features, vit_lib.depth(self.config.model))
+      # a wrong feature name fails before training
+      evaluators.check_features_name(fewshot_cfg.features, vit_lib.depth(self.config.model))
     return darl_lib.darl_from_config(self.config)
 
   def init_variables(self, model, rng, batch):
@@ -106,21 +107,19 @@ class PretrainTrainer(trainer_lib.Trainer):
     """Evaluators on frozen features, each when its section is enabled:
     ``probe_accuracy`` (a ridge probe, ``probe_eval``) and
     ``fewshot_<k>shot`` / ``fewshot_<k>shot_std`` (few-shot ridge
-    regression as big_vision evaluates it, ``fewshot_eval``; train/jobs/fewshot.py)."""
+    regression as big_vision evaluates it, ``fewshot_eval``; train/evaluators.py)."""
     scores = {}
     probe_cfg = self.config.get("probe_eval")
     if probe_cfg is not None and probe_cfg.get("enabled", False):
       if getattr(self, "_ridge_probe", None) is None:
-        from darl_jax.train.trainers import linear_probe
-        self._ridge_probe = linear_probe.RidgeProbe(
+        self._ridge_probe = evaluators.RidgeProbe(
             self.config, ctx.mesh, lambda p, x: backbone_lib.darl_pooled_features(model, p, x),
             eval_batch=ctx.resolved.eval_batch if ctx.resolved else None)
       scores.update(self._ridge_probe(state["params"]))
     fewshot_cfg = self.config.get("fewshot_eval")
     if fewshot_cfg is not None and fewshot_cfg.get("enabled", False):
       if getattr(self, "_fewshot", None) is None:
-        from darl_jax.train.jobs import fewshot
-        self._fewshot = fewshot.from_pretrain_config(
+        self._fewshot = evaluators.from_pretrain_config(
             self.config, ctx.mesh, model, ctx.resolved.eval_batch if ctx.resolved else None)
       scores.update(self._fewshot(state["params"]))
     return scores

@@ -9,19 +9,19 @@ RandAugment(9, 0.5), mixup 0.8, cutmix 1.0, label smoothing 0.1, AdamW
 (0.9, 0.95), base lr 1e-4 x batch / 256, weight decay 0.3, batch 4096, cosine
 with 20 warm-up epochs, 200 epochs, no EMA (the ablation table's note).
 
-The model, loss, augmentation and evaluation are the fine-tuning trainer's;
-only the initialisation differs (no checkpoint) and there is no layer-wise
-decay.
+The model, loss, augmentation and evaluation are the fine-tuning trainer's
+(train/classifier.py's ``ClassifierTrainer``); only the initialisation
+differs (no checkpoint) and there is no layer-wise decay.
 """
 
 from __future__ import annotations
 
-from darl_jax.train.trainers import finetune
+from darl_jax.train import classifier
 
 
 def supervised_config():
   """``finetune_config`` re-set to the supervised table."""
-  c = finetune.finetune_config()
+  c = classifier.finetune_config()
   c.trainer = "supervised"
   c.model.update(causal=False, drop_path=0.2, posenc="rope2d")
   c.head.update(readout="mean", sos=True)
@@ -35,8 +35,8 @@ def supervised_config():
   return c
 
 
-class SupervisedTrainer(finetune.FinetuneTrainer):
-  """``FinetuneTrainer`` from random initialisation."""
+class SupervisedTrainer(classifier.ClassifierTrainer):
+  """``ClassifierTrainer`` from random initialisation (no checkpoint)."""
 
   def load_pretrained(self, ctx, params):
     if self.config.get("init_from", ""):
