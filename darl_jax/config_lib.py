@@ -18,7 +18,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from darl_jax import ops
-from darl_jax.data import augment
+from darl_jax.crop_scale import check_crop_scale
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -504,7 +504,7 @@ def validate(config) -> None:
   scale = config.get("data", {}).get("crop_scale")
   if scale is not None:
     try:
-      augment.check_crop_scale(scale)   # the rule the data sources apply
+      check_crop_scale(scale)   # the rule the data sources apply
     except ValueError as e:
       raise ConfigError(f"config.{e}") from None
   for op, valid in ops.CHOICES.items():

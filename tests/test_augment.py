@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from darl_jax import mixup
 from darl_jax.data import digits
-from darl_jax.data import mixup
 from darl_jax.data import randaugment
 
 

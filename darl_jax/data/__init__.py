@@ -24,6 +24,7 @@ Sources (``config.name``):
                  or tf.data with JPEG crop-decode).
   tfds           any prepared TFDS dataset (``config.tfds_name``).
   synthetic      fixed random batches: the step alone, for benchmarks.
+  vtab           a VTAB-1k task (config.vtab_task) with its own splits (vtab_tasks.py).
 
 Config keys: name, image_size, channels (1|3), augment ("none"|"spatial":
 random-resized crop, area crop_scale (0.2-1), ratio 3/4-4/3, + horizontal flip),

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# The sources check data.crop_scale through this module; the rule itself lives
+# below data/, where config_lib applies it too without importing data/.
+from darl_jax.crop_scale import check_crop_scale  # pylint: disable=unused-import
+
 # The training crop's area range, as a fraction of the source image
 # (``data.crop_scale``). 0.2-1 is the paper's (and MAE's) pretraining crop;
 # fine-tuning on small images may want less of the image thrown away.
@@ -39,22 +43,6 @@ FLIP_PROB = 0.5
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-
-
-def check_crop_scale(scale) -> tuple[float, float]:
-  """``(min, max)`` area fractions with 0 < min <= max <= 1, as floats; a
-  clear error naming ``data.crop_scale`` otherwise."""
-  try:
-    if any(isinstance(v, bool) for v in scale):
-      raise TypeError("booleans are not area fractions")
-    lo, hi = (float(v) for v in scale)
-  except (TypeError, ValueError):
-    lo = hi = float("nan")
-  if not 0 < lo <= hi <= 1:
-    raise ValueError(f"data.crop_scale must be two area fractions (min, max) with "
-                     f"0 < min <= max <= 1, got {scale!r}: e.g. "
-                     f"--config.data.crop_scale=(0.2,1.0)")
-  return lo, hi
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:

@@ -1,56 +1,36 @@
-"""The source registry: `build_source(config, split=..., seed=...)`."""
+"""The source registry: `build_source(config, split=..., seed=...)`.
+
+``SOURCES`` is the one table of source names (``config.data.name``); every
+caller, the trainers' and jobs' included, builds a source through it.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 from darl_jax.data.base import SPLITS, DataSource, cfg_get
 
+Builder = Callable[[Any, str, int], DataSource]
 
-def _fashion_mnist(config, split, seed):
-  from darl_jax.data import fashion_mnist  # pylint: disable=g-import-not-at-top
-  return fashion_mnist.build(config, split=split, seed=seed)
-
-
-def _digits(config, split, seed):
-  from darl_jax.data import digits  # pylint: disable=g-import-not-at-top
-  return digits.build(config, split=split, seed=seed)
+# Sources whose splits are their own (VTAB-1k's train800, val200, ...), checked by the
+# source itself; the others take SPLITS, and only those can be parts of a mixture.
+OWN_SPLITS = frozenset({"vtab"})
 
 
-def _synthetic(config, split, seed):
-  from darl_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-  return synthetic.build(config, split=split, seed=seed)
-
-
-def _image_folder(config, split, seed):
-  from darl_jax.data import image_folder  # pylint: disable=g-import-not-at-top
-  return image_folder.build(config, split=split, seed=seed)
-
-
-def _webdataset(config, split, seed):
-  from darl_jax.data import webdataset  # pylint: disable=g-import-not-at-top
-  return webdataset.build(config, split=split, seed=seed)
-
-
-def _parquet(config, split, seed):
-  from darl_jax.data import parquet  # pylint: disable=g-import-not-at-top
-  return parquet.build(config, split=split, seed=seed)
-
-
-def _arrayrecord(config, split, seed):
-  from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
-  return arrayrecord_source.build(config, split=split, seed=seed)
-
-
-def _hf_disk(config, split, seed):
-  from darl_jax.data import hf_disk  # pylint: disable=g-import-not-at-top
-  return hf_disk.build(config, split=split, seed=seed)
+def _module_builder(module: str, function: str = "build") -> Builder:
+  """``darl_jax.data.<module>.<function>(config, split=..., seed=...)``; the module is
+  imported on the first call, so that only the TFDS sources import TensorFlow."""
+  def build(config, split, seed):
+    builder = getattr(importlib.import_module(f"darl_jax.data.{module}"), function)
+    return builder(config, split=split, seed=seed)
+  return build
 
 
 def _mixture(config, split, seed):
   from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
   return mixture.build(config, split=split, seed=seed, build_source=build_source,
-                       names=SOURCES)
+                       names=[name for name in SOURCES if name not in OWN_SPLITS])
 
 
 def _imagenet2012(config, split, seed):
@@ -69,19 +49,20 @@ def _tfds(config, split, seed):
   return tfds_source.build(config, split=split, seed=seed, tfds_name=name)
 
 
-# Builders import their modules lazily: only the TFDS ones import TensorFlow.
-SOURCES: dict[str, Callable[[Any, str, int], DataSource]] = {
-    "fashion_mnist": _fashion_mnist,
-    "digits": _digits,
+# name -> builder(config, split, seed).
+SOURCES: dict[str, Builder] = {
+    "fashion_mnist": _module_builder("fashion_mnist"),
+    "digits": _module_builder("digits"),
     "imagenet2012": _imagenet2012,
-    "image_folder": _image_folder,
-    "webdataset": _webdataset,
-    "parquet": _parquet,
-    "arrayrecord": _arrayrecord,
-    "hf_disk": _hf_disk,
+    "image_folder": _module_builder("image_folder"),
+    "webdataset": _module_builder("webdataset"),
+    "parquet": _module_builder("parquet"),
+    "arrayrecord": _module_builder("arrayrecord_source"),
+    "hf_disk": _module_builder("hf_disk"),
     "mixture": _mixture,
     "tfds": _tfds,
-    "synthetic": _synthetic,
+    "synthetic": _module_builder("synthetic"),
+    "vtab": _module_builder("vtab_tasks", "build_source"),
 }
 
 
@@ -92,7 +73,8 @@ def build_source(config: Any, *, split: str, seed: int) -> DataSource:
     config: the data config (ml_collections ConfigDict or any attribute
       object): name, image_size, channels, augment, path, backend, tfds_name,
       tfds_data_dir, val_split_size (see the package docstring).
-    split: "train", "validation" or "test".
+    split: "train", "validation" or "test" (a VTAB-1k split for "vtab",
+      data/vtab_tasks.py).
     seed: shuffling / augmentation seed (batches are a function of it).
 
   Returns:
@@ -102,7 +84,7 @@ def build_source(config: Any, *, split: str, seed: int) -> DataSource:
   if name not in SOURCES:
     raise ValueError(f"unknown data source {name!r}; valid names: "
                      f"{', '.join(sorted(SOURCES))}")
-  if split not in SPLITS:
+  if name not in OWN_SPLITS and split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
   if int(seed) < 0:
     raise ValueError(f"seed must be >= 0, got {seed}")

@@ -30,13 +30,9 @@ from darl_jax.train import transfer
 
 
 def build_source(config, split: str, *, train: bool):
-  """The split's source: VTAB tasks by name (``data.name="vtab"``), the registry
-  otherwise; RandAugment on the training split when ``config.randaugment.num_ops``."""
-  if config.data.name == "vtab":
-    from darl_jax.data import vtab_tasks  # TensorFlow only when asked for
-    source = vtab_tasks.build_source(config.data, split=split, seed=config.seed)
-  else:
-    source = data_lib.build_source(config.data, split=split, seed=config.seed)
+  """The split's source from the data registry (VTAB tasks too: ``data.name="vtab"``);
+  RandAugment on the training split when ``config.randaugment.num_ops``."""
+  source = data_lib.build_source(config.data, split=split, seed=config.seed)
   ra = config.get("randaugment")
   if train and ra is not None and ra.num_ops > 0:
     source = randaugment.RandAugmentSource(

@@ -51,7 +51,7 @@ from ml_collections.config_dict import placeholder
 from darl_jax import config_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax import data as data_lib
-from darl_jax.data import mixup as mixup_lib
+from darl_jax import mixup as mixup_lib
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import trainer as trainer_lib

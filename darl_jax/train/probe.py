@@ -20,8 +20,8 @@ from flax import linen as nn
 
 from darl_jax import config_lib
 from darl_jax import data as data_lib
+from darl_jax import mixup as mixup_lib
 from darl_jax import sharding as sharding_lib
-from darl_jax.data import mixup as mixup_lib
 from darl_jax.train import backbone as backbone_lib
 from darl_jax.train import compile_count
 from darl_jax.train import probe_grid

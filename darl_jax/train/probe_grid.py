@@ -77,9 +77,9 @@ import optax
 from flax import linen as nn
 
 from darl_jax import config_lib
+from darl_jax import mixup as mixup_lib
 from darl_jax import optim
 from darl_jax.data import holdout as holdout_lib
-from darl_jax.data import mixup as mixup_lib
 
 POOLINGS = ("mean", "last")
 

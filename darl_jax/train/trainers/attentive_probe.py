@@ -46,7 +46,7 @@ from absl import logging
 from flax import linen as nn
 
 from darl_jax import files
-from darl_jax.data import mixup as mixup_lib
+from darl_jax import mixup as mixup_lib
 from darl_jax.models import probe_heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import backbone as backbone_lib
