@@ -23,30 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mlp_kernel_bench import timed  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 VARIANTS = {"B/16": (768, 3072, 197), "L/16": (1024, 4096, 197), "H/14": (1280, 5120, 257)}
 HISTORY = 16
-
-
-def timed(fn, *args, iters=20, reps=5) -> float:
-  """Median seconds per call of the jitted ``fn`` (compiled and warmed first)."""
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / iters)
-  return statistics.median(times)
 
 
 def quantize(x, scale, dtype):
