@@ -69,15 +69,14 @@ def default_gpu_allocator() -> None:
   pool, unless the environment names one (``XLA_PYTHON_CLIENT_ALLOCATOR``,
   e.g. ``=default`` for BFC, or ``JAX_PJRT_CLIENT_CREATE_OPTIONS``).
 
-  Why: a train step is one large temporary (63.5 GiB at B/16, batch 1024)
-  allocated anew every step. In the BFC pool the small arrays that outlive
-  a step (metrics, the next batches) land right after the first step's
-  temporary, so the pool splits into a hole of exactly that size and the
-  rest; a few steps later the hole no longer holds the temporary and the run
-  dies with 1.6 GiB of 104.85 in use (measured on an H200, see
-  benchmarks/RESULTS.md: B/16 batch 1024 out of memory at step 5-10 with BFC,
-  all 40 steps with cuda_async, which remaps free pages instead of needing
-  one contiguous block). Only the GPU client reads the variable."""
+  Why: a train step is one large temporary allocated anew every step. In
+  the BFC pool the small arrays that outlive a step (metrics, the next
+  batches) land right after the first step's temporary, so the pool splits
+  into a hole of exactly that size and the rest; a few steps later the hole
+  no longer holds the temporary and the run dies out of memory with most of
+  the pool free. cuda_async remaps free pages instead of needing one
+  contiguous block (benchmarks/RESULTS.md has the run that showed it). Only
+  the GPU client reads the variable."""
   if ("XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ
       or "JAX_PJRT_CLIENT_CREATE_OPTIONS" in os.environ):
     return

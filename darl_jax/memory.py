@@ -57,12 +57,11 @@ draw of the same size per ``noise_samples``); ``accumulation`` holds it.
 Ignored: embeddings, the final LayerNorm, the loss, XLA's temporaries and
 fragmentation, and the input pipeline.
 
-Checked against XLA's buffer assignment of the real step on one H100 (jax
-0.11, bf16, cudnn attention, diffusion decoder): B/16 at batch 64 needed 7.6
-GiB against 5.4 estimated with remat=none (x1.40) and 2.46 against 2.49 with
-remat=full; L/16 at batch 32, 11.8 against 9.7 (x1.22) with remat=none. The
-block formula omits float32 copies that LayerNorm and the loss keep, so plan
-with about 1.4x the ``none`` column and 1.1x the ``full`` column.
+The block formula omits float32 copies that LayerNorm and the loss keep,
+so it reads low against XLA's buffer assignment of the real step, more so
+without remat than with full remat (docs/TPU.md and benchmarks/RESULTS.md
+hold the comparisons); the table therefore plans with 1.4x the ``none``
+column and 1.1x the ``full`` column.
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ Every kernel call also goes through one ``jax.jit`` per program
 (``_shared``): a model's identical blocks then trace, lower and compile
 each kernel once instead of once per block. Lowering a Pallas call runs
 its whole kernel compiler, so without this a deep unrolled model spends
-most of its start-up there (measured on an H200, B/16 diffusion at batch
-512: lower 33.0 s and compile 60.4 s per-block, 6.0 s and 20.4 s shared,
-the same step time; benchmarks/RESULTS.md).
+most of its start-up there, at the same step time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
