@@ -3,7 +3,7 @@
     python benchmarks/input_pipeline_benchmark.py [--threads=1,2] [--images=512] [--size=224]
 
 Runs the training preprocessing of the ImageNet source
-(``darl_jax.data.tfds_source.JpegPreprocess.random``: decode only the crop
+(``darl_jax.data.sources.tfds_source.JpegPreprocess.random``: decode only the crop
 window of the JPEG, resize to ``--size`` with antialiasing, random flip)
 through tf.data on generated JPEGs, with tf.data limited to ``--threads``
 threads, and prints images/s and images/s per thread. From the per-thread
@@ -30,7 +30,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from darl_jax.data import tfds_source  # noqa: E402
+from darl_jax.data.sources import tfds_source  # noqa: E402
 
 # img/s of one H200 at the pretraining step (benchmarks/RESULTS.md).
 DEFAULT_GPU_RATES = "L/16 mse=1129,L/16 diffusion=1024,B/16 mse=3579,H/14 mse=455"

@@ -39,8 +39,9 @@ from PIL import Image
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks import cli_benchmark  # noqa: E402
-from darl_jax.data import augment as aug  # noqa: E402
-from darl_jax.data import build_source, convert, image_folder, pipeline  # noqa: E402
+from darl_jax.data.transforms import augment as aug  # noqa: E402
+from darl_jax.data import build_source, convert, pipeline  # noqa: E402
+from darl_jax.data.sources import image_folder  # noqa: E402
 
 FORMATS = ("folder", "tar", "parquet", "arrayrecord", "hf_disk")
 

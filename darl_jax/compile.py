@@ -249,7 +249,7 @@ def for_compile(config):
   (nothing is read; ImageNet's split sizes for the schedule's epochs)."""
   c = config.copy_and_resolve_references()
   with c.unlocked():
-    c.data.name = "synthetic"      # ImageNet's split sizes (data/synthetic.py)
+    c.data.name = "synthetic"      # ImageNet's split sizes (data/sources/synthetic.py)
     c.data.num_workers = 0
   return c
 

@@ -87,7 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
       "tfds_data_dir": placeholder(str),
       "val_split_size": 5000, "train_split": "train", "eval_split": "validation",
       # augment="spatial": the random-resized crop's (min, max) fraction of
-      # the image's area (data/augment.py).
+      # the image's area (data/transforms/augment.py).
       "crop_scale": (0.2, 1.0),
       # Processes building training batches (data/pipeline.py): -1 = this
       # process's share of the host's cores, 0 = in the training process.
@@ -101,10 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
       "label_column": "label", "num_classes": 0,
       # Sharded sources with several processes: "own" = each process reads
       # only its own training files (p, p + P, ...), "all" = every process
-      # reads its slice of one global stream (data/encoded.py).
+      # reads its slice of one global stream (data/sources/encoded.py).
       "process_files": "own",
       # name="mixture": "spec=weight,spec=weight" (or (spec, weight) pairs),
-      # spec a source name or a path (data/mixture.py).
+      # spec a source name or a path (data/sources/mixture.py).
       "mixture": placeholder(str)})
 
   c.model = ml_collections.ConfigDict({

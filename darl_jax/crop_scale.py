@@ -1,7 +1,7 @@
 """The rule of ``data.crop_scale``, the random-resized crop's area range.
 
 Both the config's validation (config_lib) and the data sources that crop
-(data/augment.py and its users) apply it; it lives in a module of its own so
+(data/transforms/augment.py and its users) apply it; it lives in a module of its own so
 that config_lib, which sits below data/, imports nothing of data/.
 """
 

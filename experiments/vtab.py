@@ -4,7 +4,7 @@ Run (TFDS datasets prepared under --config.data.tfds_data_dir; nothing is
 downloaded at run time):
   python -m darl_jax.train.vtab --config=experiments/vtab.py:task=all,init=gs://<bucket>/darl_vit_l16_diff \
       --workdir=gs://<bucket>/darl_vit_l16_diff_vtab
-One task: task=cifar100 (names in darl_jax/data/vtab_tasks.py); several:
+One task: task=cifar100 (names in darl_jax/data/sources/vtab_tasks.py); several:
 --config.vtab.tasks=dtd,svhn. Rerunning the command resumes: finished
 sub-runs are skipped, unfinished ones resume from their checkpoints.
 

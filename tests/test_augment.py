@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from darl_jax import mixup
-from darl_jax.data import digits
-from darl_jax.data import randaugment
+from darl_jax.data.sources import digits
+from darl_jax.data.transforms import randaugment
 
 
 def _images(n=16, size=12, channels=3, seed=0):

@@ -24,14 +24,14 @@ import pytest
 from PIL import Image
 
 from darl_jax import config_lib
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data import build_source
-from darl_jax.data import digits
-from darl_jax.data import fashion_mnist
-from darl_jax.data import image_folder
-from darl_jax.data import indexed
-from darl_jax.data import tfds_records
-from darl_jax.data import vtab_tasks
+from darl_jax.data.sources import digits
+from darl_jax.data.sources import fashion_mnist
+from darl_jax.data.sources import image_folder
+from darl_jax.data.sources import indexed
+from darl_jax.data.sources import tfds_records
+from darl_jax.data.sources import vtab_tasks
 from idx_files import write_idx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -406,7 +406,7 @@ def tf():
 
 
 def test_jpeg_preprocess_full_scale_is_center_or_mirror(tf):
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   pre = tfds_source.JpegPreprocess((16, 16, 3), 3, 1.0, crop_scale=FULL)
   assert pre._crop_scale == FULL
   default = tfds_source.JpegPreprocess((16, 16, 3), 3, 1.0)
@@ -434,14 +434,14 @@ def test_jpeg_preprocess_full_scale_is_center_or_mirror(tf):
 
 @pytest.mark.parametrize("bad", BAD_SCALES)
 def test_jpeg_preprocess_rejects_bad_crop_scale(tf, bad):
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="data.crop_scale"):
     tfds_source.JpegPreprocess((8, 8, 3), 3, 1.0, crop_scale=bad)
 
 
 def test_tfds_source_passes_crop_scale(tf):
   pytest.importorskip("tensorflow_datasets")
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   arrays = [noise((16, 16, 3), seed=i) for i in range(8)]
   builder = fake_builder([png_bytes(a) for a in arrays])
 

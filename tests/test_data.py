@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data import build_source
-from darl_jax.data import fashion_mnist_idx
+from darl_jax.data.sources import fashion_mnist_idx
 from idx_files import write_idx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""ArrayRecord files of your own images (data/arrayrecord_source.py) and the
+"""ArrayRecord files of your own images (data/sources/arrayrecord.py) and the
 image-folder -> ArrayRecord converter (data/convert.py --format=arrayrecord)."""
 
 import os
@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from darl_jax.data import arrayrecord_source, build_source, convert, shards
+from darl_jax.data import build_source, convert
+from darl_jax.data.sources import arrayrecord as arrayrecord_source, shards
 import image_files
 
 array_record_module = pytest.importorskip("array_record.python.array_record_module")

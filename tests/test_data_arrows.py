@@ -10,9 +10,9 @@ import pytest
 
 from darl_jax import config_lib
 from darl_jax import crop_scale
-from darl_jax.data import augment
+from darl_jax.data.transforms import augment
 from darl_jax.data import registry
-from darl_jax.data import vtab_tasks
+from darl_jax.data.sources import vtab_tasks
 from test_imports import _cycles, _graph, _import_time_nodes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def test_config_lib_imports_nothing_of_data():
   upward = sorted(t for t in graph["darl_jax.config_lib"] if t.startswith("darl_jax.data"))
   assert not upward, f"config_lib imports data/, which sits above it: {upward}"
   assert "darl_jax.crop_scale" in graph["darl_jax.config_lib"]
-  assert "darl_jax.crop_scale" in graph["darl_jax.data.augment"]
+  assert "darl_jax.crop_scale" in graph["darl_jax.data.transforms.augment"]
 
 
 def test_config_and_sources_apply_one_crop_scale_rule():
@@ -41,7 +41,7 @@ def test_no_data_module_imports_jax_at_import_time():
   """Batches are built on the host (in Grain's worker processes too); what runs on the
   device inside the loss, mixup and cutmix, lives beside the losses."""
   found = {}
-  for path in sorted((ROOT / "darl_jax" / "data").glob("*.py")):
+  for path in sorted((ROOT / "darl_jax" / "data").rglob("*.py")):
     tree = ast.parse(path.read_text(), str(path))
     for node in _import_time_nodes(tree):
       names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -64,7 +64,7 @@ def test_the_registry_table_closes_no_import_cycle():
   see: add those edges and check the graph still runs one way."""
   graph = _graph()
   table = _table_modules()
-  assert "darl_jax.data.vtab_tasks" in table and len(table) == 9
+  assert "darl_jax.data.sources.vtab_tasks" in table and len(table) == 9
   assert table <= set(graph), f"rows name no module: {table - set(graph)}"
   graph["darl_jax.data.registry"] = graph["darl_jax.data.registry"] | table
   assert _cycles(graph) == set()
@@ -99,7 +99,7 @@ def test_a_mixture_takes_no_source_with_splits_of_its_own():
 
 def test_backbone_builds_every_source_through_the_registry():
   graph = _graph()
-  assert "darl_jax.data.vtab_tasks" not in graph["darl_jax.train.backbone"]
+  assert "darl_jax.data.sources.vtab_tasks" not in graph["darl_jax.train.backbone"]
   tree = ast.parse((ROOT / "darl_jax" / "train" / "backbone.py").read_text())
   by_name = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
              and any(isinstance(c, ast.Constant) and c.value == "vtab"

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import base, image_folder
+from darl_jax.data import base
+from darl_jax.data.sources import image_folder
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
@@ -35,7 +36,7 @@ SITECUSTOMIZE = textwrap.dedent("""\
 
 CHILD = textwrap.dedent("""\
     import sys, time
-    from darl_jax.data import image_folder
+    from darl_jax.data.sources import image_folder
 
     def main(path, mode):
       source = image_folder.build({"path": path, "image_size": 8, "channels": 1,

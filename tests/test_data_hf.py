@@ -1,4 +1,4 @@
-"""Hugging Face datasets saved with save_to_disk (data/hf_disk.py)."""
+"""Hugging Face datasets saved with save_to_disk (data/sources/hf_disk.py)."""
 
 import sys
 
@@ -7,7 +7,8 @@ import pytest
 
 import image_files
 
-from darl_jax.data import build_source, hf_disk
+from darl_jax.data import build_source
+from darl_jax.data.sources import hf_disk
 
 datasets = pytest.importorskip("datasets")
 

@@ -1,4 +1,4 @@
-"""Weighted mixtures of sources (data/mixture.py)."""
+"""Weighted mixtures of sources (data/sources/mixture.py)."""
 
 import logging as py_logging
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import SOURCES, build_source, mixture
+from darl_jax.data import SOURCES, build_source
+from darl_jax.data.sources import mixture
 
 
 @pytest.fixture(scope="module")

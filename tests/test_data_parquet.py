@@ -1,4 +1,4 @@
-"""Parquet files of encoded images (data/parquet.py)."""
+"""Parquet files of encoded images (data/sources/parquet.py)."""
 
 
 import numpy as np
@@ -6,7 +6,8 @@ import pytest
 
 import image_files
 
-from darl_jax.data import build_source, parquet
+from darl_jax.data import build_source
+from darl_jax.data.sources import parquet
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

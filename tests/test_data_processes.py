@@ -1,4 +1,4 @@
-"""Files owned by processes (data.process_files, data/encoded.py): with P > 1
+"""Files owned by processes (data.process_files, data/sources/encoded.py): with P > 1
 processes each reads only its own training files, the processes' streams
 never share an example, epochs count every process's examples, and resume
 and a mixture hold. Simulated processes in this process, then two real ones
@@ -16,7 +16,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from darl_jax.data import build_source, convert, encoded, holdout
+from darl_jax.data import build_source, convert, holdout
+from darl_jax.data.sources import encoded
 import image_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

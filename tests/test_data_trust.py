@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import (build_source, check_labels, encoded, holdout, image_folder,
-                           webdataset)
-from darl_jax.data.indexed import ArraySource
+from darl_jax.data import build_source, check_labels, holdout
+from darl_jax.data.sources import encoded, image_folder, webdataset
+from darl_jax.data.sources.indexed import ArraySource
 
 RED, BLUE = (200, 30, 30), (30, 30, 200)
 

@@ -1,5 +1,5 @@
-"""Tar shards (data/webdataset.py), shard patterns and index caches
-(data/shards.py), and the image-folder -> shards converter (data/convert.py)."""
+"""Tar shards (data/sources/webdataset.py), shard patterns and index caches
+(data/sources/shards.py), and the image-folder -> shards converter (data/convert.py)."""
 
 import io
 import json
@@ -9,7 +9,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from darl_jax.data import build_source, convert, image_folder, shards, webdataset
+from darl_jax.data import build_source, convert
+from darl_jax.data.sources import image_folder, shards, webdataset
 import image_files
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from darl_jax.data import vtab_tasks
+from darl_jax.data.sources import vtab_tasks
 from darl_jax.models import heads
 from darl_jax.models import vit as vit_lib
 from darl_jax.train.trainers import finetune

@@ -28,7 +28,8 @@ import pytest
 from PIL import Image
 
 from darl_jax import config_lib
-from darl_jax.data import base, build_source, convert, encoded
+from darl_jax.data import base, build_source, convert
+from darl_jax.data.sources import encoded
 from xla_env import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -147,7 +148,7 @@ def test_randaugment_keeps_the_streams_of_the_source_it_wraps(data, monkeypatch)
   """Fine-tuning's RandAugment wrapper reads its source's streams: a run
   started on 2 processes (2 streams of owned tar files) and read by 1
   process gives the same augmented global batches."""
-  from darl_jax.data.randaugment import RandAugmentSource
+  from darl_jax.data.transforms.randaugment import RandAugmentSource
   config = dict(data["tar"], image_size=8, channels=3, augment="spatial")
 
   def global_batch(processes, step=3):

@@ -106,7 +106,7 @@ def test_the_graph_reads_every_import():
   assert graph["darl_jax.models.posenc"] >= {"darl_jax.kernels.rope"}   # module level
   # inside functions: the Pallas kernels where ops first runs them, TFDS's builder
   assert "darl_jax.kernels.layer_norm" in graph["darl_jax.ops"] - top_level["darl_jax.ops"]
-  assert "darl_jax.data.tfds_fashion_mnist" in graph["darl_jax.data.fashion_mnist"]
+  assert "darl_jax.data.sources.tfds_fashion_mnist" in graph["darl_jax.data.sources.fashion_mnist"]
 
 
 def test_kernels_import_nothing_outside_kernels():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from darl_jax.data import digits, image_folder, pipeline
+from darl_jax.data import pipeline
+from darl_jax.data.sources import digits, image_folder
 from darl_jax.train import feed
 
 
@@ -235,7 +236,8 @@ def test_tfds_records_are_a_random_access_source():
   """data.backend=records reads a TFDS dataset record by record (no tf.data):
   uint8 crops, labels from the records, resumable like any indexed source."""
   tfds = pytest.importorskip("tensorflow_datasets")
-  from darl_jax.data import build_source, tfds_records
+  from darl_jax.data import build_source
+  from darl_jax.data.sources import tfds_records
   with tfds.testing.mock_data(num_examples=12):
     src = build_source({"name": "imagenet2012", "image_size": 16, "channels": 3,
                         "augment": "spatial", "backend": "records", "val_split_size": 0},
@@ -252,7 +254,7 @@ def test_tfds_records_are_a_random_access_source():
 
 def test_tfds_records_name_the_array_record_command():
   from types import SimpleNamespace
-  from darl_jax.data import tfds_records
+  from darl_jax.data.sources import tfds_records
   builder = SimpleNamespace(info=SimpleNamespace(file_format="tfrecord", features={},
                                                  splits={"train": None}))
   with pytest.raises(ValueError, match="--file_format=array_record"):

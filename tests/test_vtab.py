@@ -7,7 +7,7 @@ import runpy
 import numpy as np
 import pytest
 
-from darl_jax.data import vtab_tasks
+from darl_jax.data.sources import vtab_tasks
 from darl_jax.train.jobs import vtab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_the_19_tasks_with_groups_label_keys_and_split_sizes():
 
 
 def test_derived_labels():
-  from darl_jax.data import tfds_source
+  from darl_jax.data.sources import tfds_source
   tf = tfds_source.import_tf()
   t = vtab_tasks.TASKS
 

@@ -13,34 +13,35 @@ Sources (``config.name``):
   digits         scikit-learn's 8x8 digits; fixed 1257/180/360 split.
   image_folder   image files (PIL); split folders (train/, val/) or a hash split.
   webdataset     tar shards ({key}.jpg + optional {key}.cls), read by member
-                 offset (webdataset.py; patterns in shards.py).
-  parquet        Parquet files of encoded images, read by row group (parquet.py).
+                 offset (sources/webdataset.py; patterns in sources/shards.py).
+  parquet        Parquet files of encoded images, read by row group (sources/parquet.py).
   arrayrecord    ArrayRecord files of msgpack image records, random access
-                 (arrayrecord_source.py; written by convert.py --format=arrayrecord).
+                 (sources/arrayrecord.py; written by convert.py --format=arrayrecord).
   hf_disk        Hugging Face datasets saved with save_to_disk, memory-mapped
-                 (hf_disk.py; the ``hf`` extra).
-  mixture        weighted mixture of any of these, config.mixture (mixture.py).
+                 (sources/hf_disk.py; the ``hf`` extra).
+  mixture        weighted mixture of any of these, config.mixture (sources/mixture.py).
   imagenet2012   prepared TFDS imagenet2012 (ArrayRecord records through Grain,
                  or tf.data with JPEG crop-decode).
   tfds           any prepared TFDS dataset (``config.tfds_name``).
   synthetic      fixed random batches: the step alone, for benchmarks.
-  vtab           a VTAB-1k task (config.vtab_task) with its own splits (vtab_tasks.py).
+  vtab           a VTAB-1k task (config.vtab_task) with its own splits (sources/vtab_tasks.py).
 
 Config keys: name, image_size, channels (1|3), augment ("none"|"spatial":
 random-resized crop, area crop_scale (0.2-1), ratio 3/4-4/3, + horizontal flip),
 crop_scale, path,
 backend (Fashion-MNIST: "auto"|"numpy"|"tfds"; TFDS names: "auto"|"records"|"tf",
-records = ArrayRecord files read through the Grain pipeline, tfds_records.py), tfds_name, tfds_data_dir, val_split_size,
+records = ArrayRecord files read through the Grain pipeline,
+sources/tfds_records.py), tfds_name, tfds_data_dir, val_split_size,
 num_workers (-1: the host's share of cores; 0: in the training process);
 sharded sources: eval_path, label_key, index_cache_dir, image_column,
 label_column, num_classes, process_files ("own": each of P > 1 processes
-reads only its own training files; "all": one global stream, encoded.py);
+reads only its own training files; "all": one global stream, sources/encoded.py);
 optional: crop_fraction (TFDS eval centre crop; 0.875 for imagenet2012, else
 1), shuffle_buffer (TFDS).
 
 Batches: uint8 images, int32 labels. train -- infinite, per-process local,
 deterministic in (seed, step) so that resuming needs only the step (see
-`indexed.py` / `tfds_source.py`); the loop takes them from
+`sources/indexed.py` / `sources/tfds_source.py`); the loop takes them from
 ``source.train_iterator``, which for the in-memory and image-folder sources
 is a Grain pipeline building whole batches in worker processes
 (`pipeline.py`);

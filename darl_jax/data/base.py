@@ -318,7 +318,7 @@ class DataSource(abc.ABC):
     processes (-1: automatic); the others ignore it.
     """
 
-  # True for sources that list every label up front (indexed.py), which
+  # True for sources that list every label up front (sources/indexed.py), which
   # ``first_label_outside`` then looks at; the others' labels come with
   # each record, and only their class count is known before reading.
   labels_listed = False

@@ -20,7 +20,7 @@ The printed lines give the ``data.path`` / ``data.eval_path`` to train on.
 ``--format=arrayrecord`` writes ``<dst>/<split>-NNNNNN.array_record`` instead
 (``data.name=arrayrecord``): one record per image, a msgpack map of the file's
 bytes (unchanged), its class index (when the folder has class sub-folders)
-and its key (the relative path), the layout arrayrecord_source.py documents;
+and its key (the relative path), the layout sources/arrayrecord.py documents;
 written with ``group_size:1``, ArrayRecord's setting for random access.
 
 ``--format=parquet`` writes ``<dst>/<split>-NNNNNN.parquet`` (``data.name=parquet``)
@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 from absl import app, flags
 
 from darl_jax import cli as cli_lib
-from darl_jax.data import image_folder
+from darl_jax.data.sources import image_folder
 
 FORMATS = ("tar", "arrayrecord", "parquet")
 SOURCE_NAMES = {"tar": "webdataset", "arrayrecord": "arrayrecord", "parquet": "parquet"}
@@ -85,7 +85,7 @@ class _TarShard:
 
 
 class _ArrayRecordShard:
-  """One msgpack record per image (arrayrecord_source.py's layout)."""
+  """One msgpack record per image (sources/arrayrecord.py's layout)."""
   suffix = ".array_record"
 
   def __init__(self, path: str):
@@ -94,8 +94,8 @@ class _ArrayRecordShard:
 
   def add(self, rel: str, data: bytes, label: Optional[int], mtime: float) -> None:
     del mtime
-    from darl_jax.data import arrayrecord_source  # pylint: disable=g-import-not-at-top
-    self._writer.write(arrayrecord_source.encode_record(data, label, rel.replace(os.sep, "/")))
+    from darl_jax.data.sources import arrayrecord  # pylint: disable=g-import-not-at-top
+    self._writer.write(arrayrecord.encode_record(data, label, rel.replace(os.sep, "/")))
 
   def close(self) -> None:
     self._writer.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from darl_jax.data import indexed
+from darl_jax.data.sources import indexed
 
 HOLDOUT_SEED = 2024
 # The size of ``holdout_size=-1``: this fraction of the split, at most MAX.

@@ -2,7 +2,7 @@
 
 Every random-access source can build the local batch of any step directly
 (``batch_at(step)``: a pure function of the seed, the step and the process's
-slice, see indexed.py). The pipeline is therefore a Grain ``MapDataset``
+slice, see sources/indexed.py). The pipeline is therefore a Grain ``MapDataset``
 whose element ``k`` is the batch of step ``k``::
 
     MapDataset.range(start, END).map(batch_at) -> to_iter_dataset()

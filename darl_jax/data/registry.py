@@ -28,20 +28,20 @@ def _module_builder(module: str, function: str = "build") -> Builder:
 
 
 def _mixture(config, split, seed):
-  from darl_jax.data import mixture  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import mixture  # pylint: disable=g-import-not-at-top
   return mixture.build(config, split=split, seed=seed, build_source=build_source,
                        names=[name for name in SOURCES if name not in OWN_SPLITS])
 
 
 def _imagenet2012(config, split, seed):
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   return tfds_source.build(config, split=split, seed=seed,
                            tfds_name=cfg_get(config, "tfds_name",
                                              "imagenet2012"))
 
 
 def _tfds(config, split, seed):
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   name = cfg_get(config, "tfds_name", None)
   if not name:
     raise ValueError("data.name='tfds' needs data.tfds_name (a TFDS builder "
@@ -51,18 +51,18 @@ def _tfds(config, split, seed):
 
 # name -> builder(config, split, seed).
 SOURCES: dict[str, Builder] = {
-    "fashion_mnist": _module_builder("fashion_mnist"),
-    "digits": _module_builder("digits"),
+    "fashion_mnist": _module_builder("sources.fashion_mnist"),
+    "digits": _module_builder("sources.digits"),
     "imagenet2012": _imagenet2012,
-    "image_folder": _module_builder("image_folder"),
-    "webdataset": _module_builder("webdataset"),
-    "parquet": _module_builder("parquet"),
-    "arrayrecord": _module_builder("arrayrecord_source"),
-    "hf_disk": _module_builder("hf_disk"),
+    "image_folder": _module_builder("sources.image_folder"),
+    "webdataset": _module_builder("sources.webdataset"),
+    "parquet": _module_builder("sources.parquet"),
+    "arrayrecord": _module_builder("sources.arrayrecord"),
+    "hf_disk": _module_builder("sources.hf_disk"),
     "mixture": _mixture,
     "tfds": _tfds,
-    "synthetic": _module_builder("synthetic"),
-    "vtab": _module_builder("vtab_tasks", "build_source"),
+    "synthetic": _module_builder("sources.synthetic"),
+    "vtab": _module_builder("sources.vtab_tasks", "build_source"),
 }
 
 
@@ -74,7 +74,7 @@ def build_source(config: Any, *, split: str, seed: int) -> DataSource:
       object): name, image_size, channels, augment, path, backend, tfds_name,
       tfds_data_dir, val_split_size (see the package docstring).
     split: "train", "validation" or "test" (a VTAB-1k split for "vtab",
-      data/vtab_tasks.py).
+      data/sources/vtab_tasks.py).
     seed: shuffling / augmentation seed (batches are a function of it).
 
   Returns:

@@ -77,7 +77,7 @@ HOW_KEYS = ("compilation_cache_dir", "data.num_workers", "tensorboard", "kernels
             "preemption_deadline_s")
 KEYS_ADDED = {
     "microbatch_size": 0,
-    # The sharded and mixed data sources (data/webdataset.py, parquet.py,
+    # The sharded and mixed data sources (data/sources/webdataset.py, parquet.py,
     # mixture.py): their keys at the values that read as before.
     "data.eval_path": None, "data.image_column": "image", "data.index_cache_dir": None,
     "data.label_column": "label", "data.label_key": "label", "data.mixture": None,

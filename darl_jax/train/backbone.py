@@ -23,7 +23,7 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import data as data_lib
 from darl_jax import ema as ema_lib
 from darl_jax import patches as patches_lib
-from darl_jax.data import randaugment
+from darl_jax.data.transforms import randaugment
 from darl_jax.models import vit as vit_lib
 from darl_jax.train import feed as feed_lib
 from darl_jax.train import transfer

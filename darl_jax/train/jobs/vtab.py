@@ -62,7 +62,7 @@ from darl_jax import cli as cli_lib
 from darl_jax import files
 from darl_jax import metrics as metrics_lib
 from darl_jax import workdir as workdir_lib
-from darl_jax.data import vtab_tasks
+from darl_jax.data.sources import vtab_tasks
 from darl_jax.train import classifier
 from darl_jax.train import compile_count
 from darl_jax.train import trainers as trainers_lib

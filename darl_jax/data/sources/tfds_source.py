@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from darl_jax.data import augment as aug
-from darl_jax.data import tfds_records
+from darl_jax.data.transforms import augment as aug
+from darl_jax.data.sources import tfds_records
 from darl_jax.data.base import (AUGMENTS, Batch, DataSource, cfg_get,
                                 check_process, local_batch_size,
                                 num_eval_batches, pad_batch, process_range)

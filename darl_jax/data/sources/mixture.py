@@ -52,7 +52,7 @@ from absl import logging
 from darl_jax.data import pipeline
 from darl_jax.data.base import (Batch, CallAt, DataSource, cfg_get, check_process,
                                 local_batch_size, stream_state, warn_once)
-from darl_jax.data.indexed import IndexedSource
+from darl_jax.data.sources.indexed import IndexedSource
 
 BLOCK = 1000
 LOG_EVERY = 1000

@@ -39,10 +39,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data.base import (DataSource, cfg_get, check_process, local_batch_size,
                                 num_eval_batches, pad_batch, process_range)
-from darl_jax.data.indexed import ArraySource
+from darl_jax.data.sources.indexed import ArraySource
 
 GROUPS = ("natural", "specialized", "structured")
 SPLITS = ("train800", "val200", "train800val200", "test")
@@ -186,7 +186,7 @@ def split_parts(task: Task, split: str, num_train: int = TRAIN_EXAMPLES,
 
 def dataset(task: Task, tfds_split: str, image_size: int, data_dir: str | None):
   """tf.data of ``(image uint8 [S, S, 3], label int32)`` in the split's file order."""
-  from darl_jax.data import tfds_source  # pylint: disable=g-import-not-at-top
+  from darl_jax.data.sources import tfds_source  # pylint: disable=g-import-not-at-top
   tf = tfds_source.import_tf()
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds.builder(task.tfds_name, data_dir=data_dir)

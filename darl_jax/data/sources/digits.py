@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data.base import DataSource, cfg_get
-from darl_jax.data.indexed import ArraySource
+from darl_jax.data.sources.indexed import ArraySource
 
 NUM_CLASSES = 10
 SPLIT_SEED = 0

@@ -13,7 +13,7 @@ of an example is a hash of (seed, stream position) (see `augment.py`).
 Everything is a pure function of (seed, step), so ``start_step = s``
 reproduces the uninterrupted run exactly: a checkpoint needs only the step.
 ``train_batch(step)`` builds any step's batch directly; the Grain pipeline
-(pipeline.py) runs it in worker processes.
+(data/pipeline.py) runs it in worker processes.
 The 1-process batch equals the concatenation of the P process batches.
 
 Streams of owned files (``data.process_files="own"``, encoded.py): a
@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 from absl import logging
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data import pipeline
 from darl_jax.data.base import (AUGMENTS, Batch, CallAt, DataSource, check_process,
                                 local_batch_size, num_eval_batches, pad_batch,

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from darl_jax.data import encoded
+from darl_jax.data.sources import encoded
 from darl_jax.data.base import cfg_get
 
 SHUFFLE_WINDOW = 4

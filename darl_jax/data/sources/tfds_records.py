@@ -5,7 +5,7 @@ A TFDS dataset prepared in the ArrayRecord format (``tfds build <name>
 (``tfds.data_source``). ``TfdsRecordSource`` is then an ordinary
 random-access source (indexed.py): the same epoch permutations, per-process
 slices and counter-based crops as in-memory arrays and image folders, and
-the same worker processes (pipeline.py). Each record's image stays encoded
+the same worker processes (data/pipeline.py). Each record's image stays encoded
 (``SkipDecoding``) until a worker decodes it with PIL (image_folder.py's
 ``decode_crop``: reduced JPEG decoding, random-resized crop and flip for
 training, a central crop of ``crop_fraction`` for evaluation). No tf.data, no
@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from darl_jax.data import augment as aug
-from darl_jax.data import image_folder
-from darl_jax.data.indexed import IndexedSource
+from darl_jax.data.transforms import augment as aug
+from darl_jax.data.sources import image_folder
+from darl_jax.data.sources.indexed import IndexedSource
 
 
 def file_format(builder) -> str:

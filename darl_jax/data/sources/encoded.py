@@ -5,7 +5,7 @@ A subclass lists its examples up front (``labels``, and whatever it needs to
 find example i's bytes) and implements ``_read(i) -> bytes``. Batching,
 shuffling, per-process slices and the counter-based crops are
 `indexed.IndexedSource`'s; the worker processes are the Grain pipeline's
-(pipeline.py). Decoding is image_folder's ``decode_crop`` (reduced JPEG
+(data/pipeline.py). Decoding is image_folder's ``decode_crop`` (reduced JPEG
 decoding, random-resized crop and flip for training, central crop for eval),
 so the same images give the same pixels whatever file holds them.
 
@@ -41,10 +41,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from absl import logging
 
-from darl_jax.data import augment as aug
-from darl_jax.data import image_folder, shards
+from darl_jax.data.transforms import augment as aug
+from darl_jax.data.sources import image_folder, shards
 from darl_jax.data.base import cfg_get, gather_ints, this_process, warn_once
-from darl_jax.data.indexed import DecodedSource
+from darl_jax.data.sources.indexed import DecodedSource
 
 
 class EncodedSource(DecodedSource):

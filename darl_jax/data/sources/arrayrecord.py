@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from darl_jax.data import encoded, shards
+from darl_jax.data.sources import encoded, shards
 from darl_jax.data.base import cfg_get, warn_once
 
 INDEX_KIND = "darl-arrayrecord-v1"

@@ -24,7 +24,7 @@ probability 1/2. Crops are sub-pixel boxes resized by PIL (bilinear,
 antialiased); images are converted to "L" or "RGB" to match ``channels``; a JPEG is decoded only at the
 smallest DCT scale that still gives the crop full resolution
 (``reduced_decode``); multi-frame files give their first frame. Files are
-decoded on demand, in the pipeline's worker processes (pipeline.py);
+decoded on demand, in the pipeline's worker processes (data/pipeline.py);
 batching follows `indexed.IndexedSource`. A file that cannot be decoded
 (truncated, not an image) is named in the log and replaced by the next
 readable example, image and label (`indexed.DecodedSource`), so it never
@@ -42,9 +42,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data.base import DataSource, cfg_get, warn_once
-from darl_jax.data.indexed import DecodedSource
+from darl_jax.data.sources.indexed import DecodedSource
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".tif", ".tiff", ".webp", ".bmp")
 SPLIT_DIRS = {"train": ("train",), "validation": ("validation", "val"),

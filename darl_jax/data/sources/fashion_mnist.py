@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from darl_jax.data import augment as aug
-from darl_jax.data import fashion_mnist_idx as idx
+from darl_jax.data.transforms import augment as aug
+from darl_jax.data.sources import fashion_mnist_idx as idx
 from darl_jax.data.base import DataSource, cfg_get
-from darl_jax.data.indexed import ArraySource
+from darl_jax.data.sources.indexed import ArraySource
 
 BACKENDS = ("auto", "numpy", "tfds")
 
@@ -39,7 +39,7 @@ def build(config: Any, *, split: str, seed: int) -> DataSource:
     raise FileNotFoundError(idx.missing_message(data_dir, data_dir))
   if backend == "tfds":
     # Imported here: the module imports TensorFlow Datasets at top level.
-    from darl_jax.data import tfds_fashion_mnist
+    from darl_jax.data.sources import tfds_fashion_mnist
     return tfds_fashion_mnist.build(config, split=split, seed=seed,
                                     source_dir=data_dir,
                                     val_split_size=val_split_size)

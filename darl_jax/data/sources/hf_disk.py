@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from darl_jax.data import encoded
+from darl_jax.data.sources import encoded
 from darl_jax.data.base import cfg_get
 
 INSTALL = 'pip install -c constraints.txt -e ".[hf]"'

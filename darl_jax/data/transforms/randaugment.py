@@ -42,7 +42,7 @@ from typing import Iterator
 
 import numpy as np
 
-from darl_jax.data import augment as aug
+from darl_jax.data.transforms import augment as aug
 from darl_jax.data.base import DataSource, local_batch_size
 
 OPS = ("auto_contrast", "equalize", "rotate", "solarize", "posterize", "color",

@@ -23,9 +23,9 @@ import hashlib
 import os
 from typing import Any
 
-from darl_jax.data import fashion_mnist_idx as idx
+from darl_jax.data.sources import fashion_mnist_idx as idx
 from darl_jax.data.base import cfg_get
-from darl_jax.data.tfds_source import TfdsSource, default_data_dir, import_tf
+from darl_jax.data.sources.tfds_source import TfdsSource, default_data_dir, import_tf
 
 import_tf()  # hides GPUs from TF before TFDS touches it
 import tensorflow_datasets as tfds  # pylint: disable=wrong-import-position
