@@ -10,6 +10,9 @@ times, on one device:
   into one scaled fp8 GEMM, the quantization fused into a pass of its own;
 * ``fp8 flax``: ``flax.linen.fp8_ops.fp8_scaled_dot_general`` with an amax
   history (delayed scaling as flax's ``Fp8DirectDotGeneralOp`` runs it).
+* ``fp8 rows``: darl_jax/fp8.py's ``dense``, what ``config.precision='fp8'``
+  runs: scales from the inputs themselves, one per row of ``x`` (current
+  scaling), the scales applied to the product's output.
 
 Each forward alone, then forward and backward (the input's and the kernel's
 gradients, e5m2 gradients for the fp8 paths), in TFLOP/s, and an MLP block
@@ -31,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mlp_kernel_bench import timed  # pylint: disable=g-import-not-at-top,wrong-import-position
+from darl_jax import fp8  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 VARIANTS = {"B/16": (768, 3072, 197), "L/16": (1024, 4096, 197), "H/14": (1280, 5120, 257)}
@@ -89,6 +94,7 @@ def paths():
       "bf16": lambda x, w: x @ w,
       "fp8 qdq": lambda x, w: qdq_dot(x, w, scale, scale, scale),
       "fp8 flax": flax_dot,
+      "fp8 rows": lambda x, w: fp8.dense(x, w, 1, jnp.bfloat16),
   }
 
 

@@ -126,6 +126,13 @@ def base_config() -> ml_collections.ConfigDict:
   # hopper, mlp xla | hopper, norm xla | triton. Not part of the model: a
   # checkpoint resumes, fine-tunes and exports under any choice.
   c.kernels = ml_collections.ConfigDict({"attention": "auto", "mlp": "auto", "norm": "auto"})
+  # The dense layers' matmul inputs (darl_jax/fp8.py): "bf16" = the model's
+  # dtype; "fp8" = float8 inputs with per-tensor scales, for the backbone's
+  # and the decoder's q/k/v, attention output and MLP layers (GPUs of compute
+  # capability 8.9 or later). Like the kernels, not part of the model: a
+  # checkpoint of either precision resumes, fine-tunes and exports under the
+  # other.
+  c.precision = "bf16"
 
   c.optim = ml_collections.ConfigDict({
       "name": "adamw", "base_lr": 1.5e-4, "lr_scaling": True, "b1": 0.9, "b2": 0.95,
@@ -512,6 +519,9 @@ def validate(config) -> None:
     if value not in valid:
       raise ConfigError(f"config.kernels.{op} must be one of {', '.join(valid)}, got "
                         f"{value!r}: set --config.kernels.{op}=auto")
+  if config.get("precision", "bf16") not in ops.PRECISIONS:
+    raise ConfigError(f"config.precision must be one of {', '.join(ops.PRECISIONS)}, got "
+                      f"{config.precision!r}: set --config.precision=bf16")
   mesh = config.get("mesh")
   if mesh is not None:
     for axis in mesh.keys():

@@ -16,6 +16,12 @@ darl_jax/kernels, as the current ``Kernels`` choice says:
   kernels/fused_stack.py, each residual add and branch bias inside the next
   norm's kernel).
 
+Beside the kernels, the precision of the dense layers (``config.precision``):
+``bf16`` computes ``dense`` and ``mlp`` in the model's dtype; ``fp8`` runs
+their products on float8 inputs (darl_jax/fp8.py). The Hopper MLP kernels
+multiply in bfloat16, so under ``fp8`` the MLP is XLA's and ``hopper``
+attention takes its q/k/v from the fp8 projection.
+
 Invariants: every implementation computes the same function from the same
 parameters (tests compare them); a kernel that does not take a shape (its
 ``fits`` check, made on one device's rows: kernels/per_shard.py, the batch
@@ -53,6 +59,7 @@ LN_EPS = 1e-6
 CHOICES = {"attention": ("auto", "xla", "cudnn", "hopper"),
            "mlp": ("auto", "xla", "hopper"),
            "norm": ("auto", "xla", "triton")}
+PRECISIONS = ("bf16", "fp8")
 # Key lengths up to this take ``_short_attention`` on XLA's path.
 SHORT_KEYS = 4
 
@@ -71,10 +78,22 @@ class Kernels:
 
 
 _current = Kernels()
+_precision = "bf16"
 
 
 def current() -> Kernels:
   return _current
+
+
+def precision() -> str:
+  """The dense layers' precision: ``bf16`` (the model's dtype) or ``fp8``."""
+  return _precision
+
+
+def check_precision(precision_: str) -> str:
+  if precision_ not in PRECISIONS:
+    raise ValueError(f"unknown precision {precision_!r}; valid: {', '.join(PRECISIONS)}")
+  return precision_
 
 
 def on_hopper() -> bool:
@@ -89,45 +108,60 @@ def _asked(kernels_cfg, op: str) -> str:
   return (kernels_cfg.get(op, "auto") if kernels_cfg is not None else "auto") or "auto"
 
 
-def resolve(kernels_cfg, dtype: str = "float32") -> Kernels:
+def resolve(kernels_cfg, dtype: str = "float32", precision_: str = "bf16") -> Kernels:
   """``config.kernels`` (attention / mlp / norm, each possibly ``auto``) ->
   what runs on this backend. ``auto``: the Hopper kernels and the Triton
   norms on sm_90 GPUs in bfloat16; elsewhere attention stays ``auto``
-  (cuDNN where it takes the inputs) and the rest is XLA's. An explicit
-  value is kept as given."""
+  (cuDNN where it takes the inputs) and the rest is XLA's. Under
+  ``precision_='fp8'`` the MLP's ``auto`` is XLA's (the Hopper MLP
+  kernels multiply in bfloat16) and an explicit ``hopper`` MLP is an
+  error. An explicit value is otherwise kept as given."""
   fast = dtype == "bfloat16" and on_hopper()
-  auto = {"attention": "hopper" if fast else "auto", "mlp": "hopper" if fast else "xla",
+  fp8 = check_precision(precision_) == "fp8"
+  auto = {"attention": "hopper" if fast else "auto",
+          "mlp": "hopper" if fast and not fp8 else "xla",
           "norm": "triton" if fast else "xla"}
-  return Kernels(**{op: auto[op] if _asked(kernels_cfg, op) == "auto"
-                    else _asked(kernels_cfg, op) for op in CHOICES})
+  chosen = Kernels(**{op: auto[op] if _asked(kernels_cfg, op) == "auto"
+                      else _asked(kernels_cfg, op) for op in CHOICES})
+  if fp8 and chosen.mlp == "hopper":
+    raise ValueError("kernels.mlp='hopper' multiplies in bfloat16; with precision='fp8' set "
+                     "kernels.mlp='auto' or 'xla' (or precision='bf16')")
+  return chosen
 
 
-def configure(kernels_cfg, dtype: str = "float32") -> Kernels:
-  """Resolves ``config.kernels`` and makes it the choice of every op traced
-  from now on; returns it (``describe`` makes the log line)."""
-  global _current
-  _current = resolve(kernels_cfg, dtype)
+def configure(kernels_cfg, dtype: str = "float32", precision_: str = "bf16") -> Kernels:
+  """Resolves ``config.kernels`` and makes it, and ``precision_``, the
+  choice of every op traced from now on; returns the kernels (``describe``
+  makes the log line)."""
+  global _current, _precision
+  _current = resolve(kernels_cfg, dtype, precision_)
+  _precision = precision_
   return _current
 
 
 @contextlib.contextmanager
-def using(**choice):
-  """``with ops.using(norm="triton"):`` the ops choose that inside (tests)."""
-  global _current
-  saved = _current
-  _current = dataclasses.replace(saved, **choice)
+def using(precision: str | None = None, **choice):
+  """``with ops.using(norm="triton"):`` or ``ops.using(precision="fp8")``:
+  the ops choose that inside (tests)."""
+  global _current, _precision
+  saved = _current, _precision
+  _current = dataclasses.replace(_current, **choice)
+  _precision = check_precision(precision or _precision)
   try:
     yield _current
   finally:
-    _current = saved
+    _current, _precision = saved
 
 
-def describe(kernels_cfg, chosen: Kernels) -> str:
-  """One log line: what runs, and which of it ``auto`` chose."""
+def describe(kernels_cfg, chosen: Kernels, precision_: str = "bf16") -> str:
+  """One log line: what runs, and which of it ``auto`` chose (and fp8
+  dense layers, where asked)."""
   parts = []
   for op in CHOICES:
     auto = " (auto)" if _asked(kernels_cfg, op) == "auto" else ""
     parts.append(f"{op}={getattr(chosen, op)}{auto}")
+  if precision_ == "fp8":
+    parts.append("dense layers in fp8")
   return f"kernels on {jax.devices()[0].device_kind}: " + ", ".join(parts)
 
 
@@ -148,11 +182,17 @@ def _require_hopper(op: str, gpu_fix: str) -> None:
 def dense(x, kernel, bias=None, *, dtype, axes: int = 1):
   """``x @ kernel (+ bias)`` over ``x``'s last ``axes`` axes, as Flax's
   ``nn.DenseGeneral`` computes it: inputs and parameters promoted to
-  ``dtype`` first."""
+  ``dtype`` first. Under ``precision='fp8'`` the product runs on float8
+  copies of ``x`` and ``kernel`` (darl_jax/fp8.py) and comes back in
+  ``dtype``."""
   x = x.astype(dtype)
-  kernel = kernel.astype(dtype)
-  contract = (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes)))
-  y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+  if _precision == "fp8":
+    from darl_jax import fp8
+    y = fp8.dense(x, kernel, axes, dtype)
+  else:
+    kernel = kernel.astype(dtype)
+    contract = (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes)))
+    y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
   if bias is not None:
     y = y + bias.astype(dtype)
   return y
@@ -245,7 +285,8 @@ def _hopper_mlp_fits(x, hidden: int, dtype) -> bool:
 def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
   """The Transformer MLP, ``fc2(gelu(fc1(x)))``; fc2's bias is added only if
   ``fc2_bias`` is given (the fused stack adds it in the next norm's kernel)."""
-  if _current.mlp == "hopper" and _hopper_mlp_fits(x, fc1_kernel.shape[-1], dtype):
+  if (_current.mlp == "hopper" and _precision != "fp8"
+      and _hopper_mlp_fits(x, fc1_kernel.shape[-1], dtype)):
     from darl_jax.kernels import hopper_mlp
     return per_shard.over_batch(
         lambda x, w1, b1, w2, b2: hopper_mlp.mlp(x, w1, b1, w2, b2, hopper_mlp.DEFAULT_KERNELS,
@@ -370,15 +411,17 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
   tables = None if rope is None or rope[0].shape[0] != 1 else tuple(t[0] for t in rope)
   if rope is not None and tables is None:
     return None
-  x, kernel, bias = x.astype(dtype), kernel.astype(dtype), bias.astype(dtype)
+  x, bias = x.astype(dtype), bias.astype(dtype)
   tiling = hopper_attention.DEFAULT_ATTENTION_TILING
   local = per_shard.local(x, BATCH_AXES)
-  if (tables is not None and local is not None
+  # The projected kernel multiplies in bfloat16: under fp8 the projection
+  # is ops.dense's (below) and the kernel takes its q/k/v.
+  if (tables is not None and local is not None and _precision != "fp8"
       and hopper_attention.fits_projected(local, kernel, bias, tables)):
     return per_shard.over_batch(
         lambda x, kernel, bias, tables: hopper_attention.causal_attention_projected(
             x, kernel, bias, tables, tiling, _interpret()),
-        x, kernel, bias, tables, batched=(True, False, False, False), axes=BATCH_AXES)
+        x, kernel.astype(dtype), bias, tables, batched=(True, False, False, False), axes=BATCH_AXES)
   product = dense(x, kernel, dtype=dtype)
   local = per_shard.local(product, BATCH_AXES)
   if local is None or not hopper_attention.fits_qkv(local, bias, tables):

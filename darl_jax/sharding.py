@@ -231,7 +231,7 @@ def kernel_mesh_warning(config, mesh: Mesh) -> str | None:
     return None
   asked = config.get("kernels") or {}
   model = config.get("model") or {}
-  chosen = ops.resolve(asked, model.get("dtype", "float32"))
+  chosen = ops.resolve(asked, model.get("dtype", "float32"), config.get("precision", "bf16"))
   on = []
   for op, values in KERNEL_CHOICES.items():
     value = getattr(chosen, op)

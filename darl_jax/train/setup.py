@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from darl_jax import config_lib
+from darl_jax import fp8
 from darl_jax import metrics as metrics_lib
 from darl_jax import ops
 from darl_jax import optim
@@ -46,7 +47,8 @@ def job(config, workdir, model_dtype: str):
       str(workdir), is_main_process=is_main,
       tensorboard=config.get("tensorboard", True)) as writer:
     enable_compilation_cache(config)
-    ops.configure(config.get("kernels"), model_dtype)
+    fp8.check_backend(config.get("precision", "bf16"))
+    ops.configure(config.get("kernels"), model_dtype, config.get("precision", "bf16"))
     yield workdir, writer, is_main
 
 
@@ -133,8 +135,11 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
   mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
   # How the model's ops run, set once for everything traced from here on.
   if "model" in config:
-    kernels = ops.configure(config.get("kernels"), config.model.get("dtype", "float32"))
-    logging.info("%s", ops.describe(config.get("kernels"), kernels))
+    precision = config.get("precision", "bf16")
+    fp8.check_backend(precision, mesh.devices.flat[0])   # a TPU topology's, when compiling
+    kernels = ops.configure(config.get("kernels"), config.model.get("dtype", "float32"),
+                            precision)
+    logging.info("%s", ops.describe(config.get("kernels"), kernels, precision))
   warning = sharding_lib.kernel_mesh_warning(config, mesh)
   if warning:
     logging.warning(warning)

@@ -1,0 +1,164 @@
+"""Dense layers with fp8 inputs: ``config.precision='fp8'`` (darl_jax/ops.py).
+
+``x @ kernel`` runs as a product of float8 copies of both inputs on the
+tensor cores, accumulated in float32 and returned in the layer's dtype,
+then multiplied by the scales that mapped each input into the format's
+range. The backward pass multiplies the incoming gradient in e5m2 (more
+range, less precision: gradients span more decades than activations) with
+the saved e4m3 inputs.
+
+How the scales are chosen, and why:
+
+- Each row of ``x`` (one token of one image) gets its own scale, from that
+  row's largest magnitude. One scale for the whole tensor would tie every
+  token's rounding to the largest value anywhere in the batch, the future
+  patches of its own image included: a causal model would no longer be
+  causal (tests/test_fp8.py checks that it is), and an evaluation would
+  depend on its batch. Row scales apply to the product's rows, so they
+  cost one multiply in the pass that adds the bias.
+- The kernel has one scale (it is the same for every row).
+- The backward pass's products contract over the rows, where row scales
+  cannot be taken out of the sum: the gradient gets one scale, and the
+  saved ``x`` is re-rounded to one scale (the largest row scale) for the
+  kernel's gradient. Gradients sum over the batch anyway, so nothing is
+  lost by tying them together.
+- The scales come from the tensors as they are ("current scaling"), not
+  from a history of earlier steps ("delayed scaling", as Transformer
+  Engine and Flax's ``Fp8DotGeneralOp`` run it): nothing to keep in the
+  train state, to checkpoint or to average over microbatches, so a
+  checkpoint is the same at either precision and bf16 and fp8 runs load
+  each other's; and no stale scale that clips a tensor that grew.
+  benchmarks/fp8_matmul_bench.py times this against delayed scaling and
+  the bf16 product at the backbone's shapes.
+
+What stays in the model's dtype: everything but the dense layers that call
+``ops.dense`` and ``ops.mlp`` (attention's q/k/v and output projections
+and the MLPs, of the backbone and of the denoising decoder): attention
+itself, norms, the patch embedding, heads, the loss and the optimizer. The
+parameters stay float32; their fp8 copies live only inside the step.
+
+On CPU the products run emulated by XLA (the tests' use); on NVIDIA GPUs
+from compute capability 8.9 (Ada, Hopper) on fp8 tensor cores; elsewhere
+``check_backend`` refuses the option.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn   # activations and weights
+E5M2 = jnp.float8_e5m2     # gradients
+
+
+def _largest(fmt) -> float:
+  return float(jnp.finfo(fmt).max)
+
+
+def _to(x, scale, fmt):
+  """``x / scale`` rounded to ``fmt``, clipped (a value that rounds past
+  the largest finite one would become NaN in e4m3fn)."""
+  return jnp.clip(x.astype(jnp.float32) / scale, -_largest(fmt), _largest(fmt)).astype(fmt)
+
+
+def _scale(amax, fmt):
+  """The scale that maps ``amax`` to ``fmt``'s largest value (1 for 0)."""
+  return jnp.where(amax > 0, amax / _largest(fmt), jnp.float32(1.0))
+
+
+def quantize(x, fmt):
+  """``(q, scale)``: ``x`` in ``fmt`` with one float32 scale for the tensor."""
+  scale = _scale(jnp.max(jnp.abs(x)).astype(jnp.float32), fmt)
+  return _to(x, scale, fmt), scale
+
+
+def quantize_rows(x, fmt, axes: int):
+  """``(q, scales)``: ``x`` in ``fmt`` with one float32 scale per row, a
+  row being the last ``axes`` axes (``scales`` has ``x``'s other axes)."""
+  lead = x.ndim - axes
+  amax = jnp.max(jnp.abs(x), axis=tuple(range(lead, x.ndim))).astype(jnp.float32)
+  scales = _scale(amax, fmt)
+  return _to(x, scales.reshape(scales.shape + (1,) * axes), fmt), scales
+
+
+def _product(a, b, dims, dtype):
+  """The float8 product of ``a`` and ``b`` over ``dims`` (dot_general's
+  contracting dims), accumulated in float32, in ``dtype``."""
+  return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
+
+
+def _scaled(y, scale, dtype):
+  return (y.astype(jnp.float32) * scale).astype(dtype)
+
+
+def dense(x, kernel, axes: int, dtype):
+  """``x [..., *K] @ kernel [*K, *N] -> [..., *N]`` in ``dtype``, the last
+  ``axes`` axes of ``x`` contracted with the first ``axes`` of ``kernel``,
+  both inputs in e4m3 (module docstring). The gradients come back in the
+  inputs' own dtypes (a float32 kernel gets a float32 gradient)."""
+  return _dense(x, kernel, axes, jnp.dtype(dtype), jnp.dtype(x.dtype), jnp.dtype(kernel.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dense(x, kernel, axes, dtype, x_dtype, kernel_dtype):
+  return _dense_fwd(x, kernel, axes, dtype, x_dtype, kernel_dtype)[0]
+
+
+def _dense_fwd(x, kernel, axes, dtype, x_dtype, kernel_dtype):
+  del x_dtype, kernel_dtype
+  xq, sx = quantize_rows(x, E4M3, axes)
+  wq, sw = quantize(kernel, E4M3)
+  y = _product(xq, wq, (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes))), dtype)
+  out = kernel.ndim - axes
+  y = _scaled(y, sx.reshape(sx.shape + (1,) * out) * sw, dtype)
+  # The residuals are the fp8 copies: half the bytes of a bf16 input.
+  return y, (xq, sx, wq, sw)
+
+
+def _dense_bwd(axes, dtype, x_dtype, kernel_dtype, residuals, g):
+  del dtype
+  xq, sx, wq, sw = residuals
+  gq, sg = quantize(g, E5M2)
+  lead = xq.ndim - axes                       # x's row axes
+  # dx = g @ kernel^T: g's output axes against the kernel's -> [..., *K].
+  dx = _product(gq, wq, (tuple(range(lead, gq.ndim)), tuple(range(axes, wq.ndim))), x_dtype)
+  dx = _scaled(dx, sg * sw, x_dtype)
+  # dkernel = x^T @ g over the rows -> [*K, *N]: x re-rounded to one scale.
+  top = jnp.max(sx)
+  xt = _to(xq.astype(jnp.float32) * (sx / top).reshape(sx.shape + (1,) * axes), 1.0, E4M3)
+  dkernel = _product(xt, gq, (tuple(range(lead)), tuple(range(lead))), kernel_dtype)
+  return dx, _scaled(dkernel, top * sg, kernel_dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# Accelerators whose matrix units take fp8 inputs (the others would run the
+# products emulated, slower than bf16): NVIDIA from compute capability 8.9.
+def supports_fp8(device) -> bool:
+  """Whether ``device`` runs fp8 products natively, or is the CPU (emulated:
+  the tests)."""
+  if device.platform == "cpu":
+    return True
+  if device.platform in ("gpu", "cuda"):
+    major, _, minor = str(getattr(device, "compute_capability", "0.0")).partition(".")
+    try:
+      return (int(major), int(minor or 0)) >= (8, 9)
+    except ValueError:
+      return False
+  return False
+
+
+def check_backend(precision: str, device=None) -> None:
+  """Refuses ``precision='fp8'`` on a device without fp8 matrix units, in
+  one line that names the fix."""
+  if precision != "fp8":
+    return
+  device = device or jax.devices()[0]
+  if not supports_fp8(device):
+    kind = getattr(device, "device_kind", device.platform)
+    raise ValueError(
+        f"precision='fp8' needs fp8 matrix units (NVIDIA GPUs of compute capability 8.9 or "
+        f"later: Ada, Hopper); {kind} has none: run with --config.precision=bf16")

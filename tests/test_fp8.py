@@ -1,0 +1,219 @@
+"""config.precision='fp8' (darl_jax/fp8.py, darl_jax/ops.py): the products
+within the format's tolerance, a causal model still causal, training that
+tracks bf16, checkpoints that cross between precisions, and a refusal where
+the hardware has no fp8 matrix units. On CPU the fp8 products run emulated."""
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from darl_jax import checkpoint as checkpoint_lib
+from darl_jax import config_lib
+from darl_jax import fp8
+from darl_jax import metrics as metrics_lib
+from darl_jax import ops
+from darl_jax import patches as patches_lib
+from darl_jax import sampling
+from darl_jax.models import darl as darl_lib
+from darl_jax.train import loop
+from darl_jax.train.trainers import finetune
+from darl_jax.train.trainers import pretrain
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import test_finetune  # pylint: disable=wrong-import-position
+import test_models  # pylint: disable=wrong-import-position
+import tiny_config  # pylint: disable=wrong-import-position
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _reference(x, w, axes):
+  dims = (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes)))
+  return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (dims, ((), ())))
+
+
+# --------------------------------------------------------------- the products
+
+
+@pytest.mark.parametrize("x_shape,w_shape,axes", [
+    ((4, 6, 32), (32, 3, 2, 8), 1),      # the packed q/k/v projection
+    ((4, 6, 2, 16), (2, 16, 32), 2),     # the attention output over [heads, head_dim]
+    ((24, 64), (64, 48), 1)])            # an MLP layer
+def test_products_and_gradients_within_the_formats_tolerance(x_shape, w_shape, axes):
+  """e4m3 keeps 3 mantissa bits (rounding error up to 2^-4 of a value),
+  e5m2 2 bits (2^-3): forward within 0.06 of the largest output, the
+  gradients (an e5m2 factor each) within 0.12."""
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, x_shape).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, w_shape) * 0.2
+  got, vjp = jax.vjp(lambda x, w: fp8.dense(x, w, axes, jnp.bfloat16), x, w)
+  want, vjp_want = jax.vjp(lambda x, w: _reference(x, w, axes), x, w)
+  assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+  assert _rel(got, want) < 0.06
+  g = jax.random.normal(kg, got.shape)
+  dx, dw = vjp(g.astype(jnp.bfloat16))
+  dx_want, dw_want = vjp_want(g)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32     # the inputs' dtypes
+  assert _rel(dx, dx_want) < 0.12 and _rel(dw, dw_want) < 0.12
+  # A kernel of zeros (a zero-initialised layer) gives zeros, not NaN.
+  assert not np.any(np.asarray(fp8.dense(x, jnp.zeros(w_shape), axes, jnp.float32)))
+
+
+def test_the_inputs_really_are_float8():
+  x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 8))
+  text = str(jax.make_jaxpr(jax.grad(
+      lambda x, w: fp8.dense(x, w, 1, jnp.bfloat16).astype(jnp.float32).sum(), (0, 1)))(x, w))
+  assert "f8_e4m3fn" in text and "f8_e5m2" in text
+  with ops.using(precision="fp8"):
+    assert "f8_e4m3fn" in str(jax.make_jaxpr(
+        lambda x, w: ops.mlp(x, w, jnp.zeros(8), w, jnp.zeros(8), dtype=jnp.bfloat16))(x, w))
+  assert "f8_e4m3fn" not in str(jax.make_jaxpr(
+      lambda x, w: ops.mlp(x, w, jnp.zeros(8), w, jnp.zeros(8), dtype=jnp.bfloat16))(x, w))
+
+
+def test_a_row_is_rounded_by_its_own_values_only():
+  """Each row's scale comes from that row: a large value anywhere else in
+  the batch (another image, a later patch) leaves the row's output exactly
+  as it was, so evaluation does not depend on the batch."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 16))
+  w = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+  base = fp8.dense(x, w, 1, jnp.float32)
+  bumped = fp8.dense(x.at[2, 4].mul(1000.0).at[0, 3].set(0.0), w, 1, jnp.float32)
+  np.testing.assert_array_equal(bumped[1], base[1])
+  np.testing.assert_array_equal(bumped[2, :4], base[2, :4])
+  np.testing.assert_array_equal(bumped[0, :3], base[0, :3])
+
+
+@pytest.mark.parametrize("objective", ["mse", "diffusion"])
+def test_prediction_for_patch_t_never_sees_patch_t_or_later_in_fp8(objective):
+  """The causality property of tests/test_models.py, under fp8."""
+  over = {}
+  if objective == "diffusion":
+    over = {"loss.kind": "diffusion", "decoder.kind": "transformer",
+            "decoder.gamma_conditioning": True}
+  model = darl_lib.darl_from_config(test_models.tiny_config(**over))
+  x = test_models.images()
+  params = test_models.init(model, x)
+  with ops.using(precision="fp8"):
+    predict = jax.jit(lambda imgs: sampling.predict_patches(
+        model, params, imgs, jax.random.PRNGKey(7), num_steps=3))
+    base = patches_lib.patchify(predict(x), 4)
+    for j in (0, 5, 14):
+      bumped = patches_lib.patchify(x, 4).at[:, j].add(0.5)
+      new = patches_lib.patchify(predict(patches_lib.unpatchify(bumped, 4, (4, 4), 1)), 4)
+      np.testing.assert_array_equal(new[:, :j + 1], base[:, :j + 1])
+      assert float(jnp.abs(new[:, j + 1:] - base[:, j + 1:]).max()) > 1e-4
+
+
+# --------------------------------------------------------------- training
+
+
+def _tiny(precision, steps=24, **kw):
+  c = tiny_config.get_config(f"steps={steps}")
+  c.eval_every_steps = 0
+  c.predictions.num_images = 0
+  c.model.dtype = "bfloat16"
+  c.precision = precision
+  c.update(kw)
+  return c
+
+
+def test_fp8_training_tracks_bf16_and_says_so(tmp_path, caplog):
+  """24 steps of the tiny model in each precision: the same loss curve
+  within a few percent, and the start-up log names the fp8 layers."""
+  losses = {}
+  for precision in ("bf16", "fp8"):
+    c = _tiny(precision)
+    with caplog.at_level("INFO"):
+      loop.run(pretrain.PretrainTrainer(c), c, str(tmp_path / precision))
+    records = metrics_lib.read_metrics(str(tmp_path / precision))
+    losses[precision] = np.array([r["loss"] for r in records if "loss" in r])
+  assert "dense layers in fp8" in caplog.text
+  assert losses["fp8"][-1] < 0.75 * losses["fp8"][0]              # it learns
+  np.testing.assert_allclose(losses["fp8"][-4:].mean(), losses["bf16"][-4:].mean(), rtol=0.05)
+
+
+def test_checkpoints_cross_between_precisions(tmp_path):
+  """bf16 -> fp8 -> bf16 resumes of one pretraining run, then fine-tuning
+  in fp8 from it: the state is the same tree at either precision."""
+  wd = tmp_path / "pretrain"
+  for precision, steps in (("bf16", 4), ("fp8", 8), ("bf16", 12)):
+    c = _tiny(precision, steps=steps)
+    loop.run(pretrain.PretrainTrainer(c), c, str(wd))
+    assert checkpoint_lib.read_meta(str(wd))[0] == steps
+  records = metrics_lib.read_metrics(str(wd))
+  assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))
+  assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+  ft = test_finetune.tiny_finetune_config(str(wd))
+  ft.precision = "fp8"
+  last = loop.run(finetune.FinetuneTrainer(ft), ft, str(tmp_path / "ft"))
+  assert 0.0 <= last["val_accuracy"] <= 1.0
+  # The fp8 fine-tune's own checkpoint restores into bf16 code.
+  params, _ = checkpoint_lib.restore_params(str(tmp_path / "ft"))
+  assert jax.tree.leaves(params)[0].dtype == jnp.float32
+
+
+# --------------------------------------------------------------- where it runs
+
+
+@dataclasses.dataclass
+class FakeDevice:
+  platform: str
+  device_kind: str
+  compute_capability: str = ""
+
+
+@pytest.mark.parametrize("device,ok", [
+    (FakeDevice("gpu", "NVIDIA H100 80GB HBM3", "9.0"), True),
+    (FakeDevice("gpu", "NVIDIA L4", "8.9"), True),
+    (FakeDevice("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), False),
+    (FakeDevice("tpu", "TPU v5 lite"), False),
+    (FakeDevice("tpu", "TPU v4"), False),
+    (FakeDevice("cpu", "cpu"), True)])
+def test_fp8_is_refused_without_fp8_matrix_units(device, ok):
+  fp8.check_backend("bf16", device)           # bf16 runs anywhere
+  if ok:
+    fp8.check_backend("fp8", device)
+    return
+  with pytest.raises(ValueError, match=rf"^precision='fp8' needs fp8 matrix units .*"
+                                       rf"{device.device_kind} has none: run with "
+                                       r"--config\.precision=bf16$"):
+    fp8.check_backend("fp8", device)
+
+
+def test_the_run_refuses_fp8_before_compiling(tmp_path, monkeypatch):
+  monkeypatch.setattr(fp8, "supports_fp8", lambda device: False)
+  c = _tiny("fp8", steps=2)
+  with pytest.raises(ValueError, match="--config.precision=bf16"):
+    loop.run(pretrain.PretrainTrainer(c), c, str(tmp_path))
+
+
+def test_the_hopper_mlp_kernel_steps_aside_for_fp8(monkeypatch):
+  monkeypatch.setattr(jax, "devices", lambda *a: [FakeDevice("gpu", "NVIDIA H100", "9.0")])
+  auto = {"attention": "auto", "mlp": "auto", "norm": "auto"}
+  assert ops.resolve(auto, "bfloat16", "bf16") == ops.Kernels("hopper", "hopper", "triton")
+  assert ops.resolve(auto, "bfloat16", "fp8") == ops.Kernels("hopper", "xla", "triton")
+  with pytest.raises(ValueError, match="kernels.mlp='hopper' multiplies in bfloat16; with "
+                                       "precision='fp8' set kernels.mlp='auto' or 'xla'"):
+    ops.resolve({"mlp": "hopper"}, "bfloat16", "fp8")
+  with pytest.raises(ValueError, match="unknown precision 'fp4'; valid: bf16, fp8"):
+    ops.resolve(auto, "bfloat16", "fp4")
+
+
+def test_config_names_the_valid_precisions():
+  c = config_lib.pretrain_config()
+  assert c.precision == "bf16"
+  config_lib.validate(c)
+  c.precision = "fp16"
+  with pytest.raises(config_lib.ConfigError,
+                     match="config.precision must be one of bf16, fp8, got 'fp16'"):
+    config_lib.validate(c)
