@@ -63,24 +63,34 @@ def get_job(name: str):
   return lambda config, workdir: loop.run(trainer_class(config), config, workdir)
 
 
+# The share of each GPU's memory JAX's pool may take (JAX's own default is
+# 0.75). The rest is for what lives outside the pool: the CUDA context,
+# cuDNN and cuBLAS handles, NCCL's buffers on several GPUs. With cuda_async
+# (below) the pool does not fragment, so the step can use nearly all of
+# the card; benchmarks/RESULTS.md has the 500-step H/14 run at this value.
+GPU_MEMORY_FRACTION = "0.92"
+
+
 def default_gpu_allocator() -> None:
   """The GPU memory allocator the CLI starts JAX with: CUDA's stream-ordered
   pool (``XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async``) instead of XLA's BFC
-  pool, unless the environment names one (``XLA_PYTHON_CLIENT_ALLOCATOR``,
-  e.g. ``=default`` for BFC, or ``JAX_PJRT_CLIENT_CREATE_OPTIONS``).
+  pool, taking ``GPU_MEMORY_FRACTION`` of the card, unless the environment
+  names its own (``XLA_PYTHON_CLIENT_ALLOCATOR``, e.g. ``=default`` for
+  BFC; ``XLA_PYTHON_CLIENT_MEM_FRACTION``, e.g. ``=0.8`` to leave room for
+  another process on the card; or ``JAX_PJRT_CLIENT_CREATE_OPTIONS``).
 
-  Why: a train step is one large temporary allocated anew every step. In
-  the BFC pool the small arrays that outlive a step (metrics, the next
-  batches) land right after the first step's temporary, so the pool splits
-  into a hole of exactly that size and the rest; a few steps later the hole
-  no longer holds the temporary and the run dies out of memory with most of
-  the pool free. cuda_async remaps free pages instead of needing one
-  contiguous block (benchmarks/RESULTS.md has the run that showed it). Only
-  the GPU client reads the variable."""
-  if ("XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ
-      or "JAX_PJRT_CLIENT_CREATE_OPTIONS" in os.environ):
+  Why cuda_async: a train step is one large temporary allocated anew every
+  step. In the BFC pool the small arrays that outlive a step (metrics, the
+  next batches) land right after the first step's temporary, so the pool
+  splits into a hole of exactly that size and the rest; a few steps later
+  the hole no longer holds the temporary and the run dies out of memory
+  with most of the pool free. cuda_async remaps free pages instead of
+  needing one contiguous block (benchmarks/RESULTS.md has the run that
+  showed it). Only the GPU client reads these variables."""
+  if "JAX_PJRT_CLIENT_CREATE_OPTIONS" in os.environ:
     return
-  os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "cuda_async"
+  os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
 
 
 def _quiet_library_logs():

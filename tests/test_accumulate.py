@@ -490,11 +490,15 @@ def test_the_cli_starts_jax_with_the_cuda_async_allocator_unless_told(monkeypatc
   from darl_jax import main  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
   monkeypatch.delenv("JAX_PJRT_CLIENT_CREATE_OPTIONS", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   main.default_gpu_allocator()
   assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == main.GPU_MEMORY_FRACTION == "0.92"
   monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
   main.default_gpu_allocator()
   assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "default"
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.6"
 
 
 def test_profile_traces_the_chosen_steps(tmp_path):
