@@ -80,3 +80,14 @@ def test_compile_cli_says_when_a_step_does_not_fit_and_names_the_fix(tmp_path):
 def test_an_unknown_topology_is_one_line_naming_valid_ones():
   with pytest.raises(ValueError, match="v5p:4x4x8"):
     compile_lib.topology_devices("v9x:1x1")
+
+
+def test_fp8_is_refused_for_tpu_topologies_in_one_line():
+  """No TPU generation the compile table covers (v4, v5e, v5p, v6e) has
+  fp8 matrix units: the step is not compiled, and the line names bf16."""
+  config = tiny_config.get_config()
+  config.precision = "fp8"
+  devices = compile_lib.topology_devices(TOPOLOGY)
+  with pytest.raises(ValueError, match=r"TPU v5 lite has none: run with "
+                                       r"--config\.precision=bf16$"):
+    compile_lib.compile_for_topology(config, devices, TOPOLOGY)
