@@ -248,6 +248,44 @@ def test_readout_and_prefix_read_their_checkpoints_with_the_probe_grid_at_fmnist
       assert all(s.kind != "probe" for s in study.stages()), (scale, name)
 
 
+def test_precision_study_runs_each_arm_at_its_precision_and_reuses_the_recorded_chains():
+  """fmnist_long, three seeds: the scale's own arm is the downstream study's
+  diffusion chains (already run, the same stage ids); the bf16 and fp8 arms
+  run every stage (pretraining, fine-tuning, the probe grid) at their
+  precision; the report compares fp8 with bf16 on the pretraining loss and
+  both accuracies."""
+  long = S.get_scale("fmnist_long")
+  study = catalog.get_study("precision", long)
+  downstream = {(r.labels["protocol"], r.labels["seed"]): r.stages for r in
+                catalog.get_study("downstream", long).runs
+                if r.labels["init"] == "DARL diffusion"}
+  arms = {}
+  for run in study.runs:
+    arms.setdefault(run.labels["precision"], []).append(run)
+    pre, last = run.stages
+    assert last.parent == pre and pre.kind == "pretrain"
+    for stage in run.stages:
+      config = S.load_config(stage)
+      assert (config.model.dtype, config.precision) == {
+          "scale's own": ("float32", "bf16"), "bf16": ("bfloat16", "bf16"),
+          "fp8": ("bfloat16", "fp8")}[run.labels["precision"]], stage.id
+    if run.labels["precision"] == "scale's own":
+      assert [s.id for s in run.stages] == [
+          s.id for s in downstream[(run.labels["protocol"], run.labels["seed"])]]
+  assert {k: len(v) for k, v in arms.items()} == {"scale's own": 6, "bf16": 6, "fp8": 6}
+  assert len({s.id for s in study.stages()}) == 3 * 3 * 3     # 3 arms x 3 seeds x 3 stages
+  claims = [c.claim for c in study.comparisons]
+  assert claims[:4] == ["pretraining loss: fp8 against bf16",
+                        "pretraining validation loss: fp8 against bf16",
+                        "fine-tuned accuracy: fp8 against bf16",
+                        "linear probe grid: fp8 against bf16"]
+  recs = [{"labels": r.labels, "metrics": {"pretrain/loss": 0.03, "pretrain/val_loss": 0.05,
+                                           "last/val_accuracy": 0.9,
+                                           "last/chosen_block_accuracy": 0.8}}
+          for r in study.runs]
+  assert "| fp8 | 90.0 ± 0.0 (3) |" in R.table_markdown(study.tables[1], recs)
+
+
 def test_downstream_linear_table_carries_the_raw_pixel_classifier(tmp_path):
   study = catalog.get_study("downstream", TINY, seeds=1)
   runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")

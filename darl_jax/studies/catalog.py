@@ -1,5 +1,6 @@
-"""The paper's seven studies, and one beyond it (prefix-causal pretraining),
-as functions ``(scale, seeds) -> Study``.
+"""The paper's seven studies, and those beyond it (prefix-causal
+pretraining, the fine-tuning recipe, fp8 against bf16), as functions
+``(scale, seeds) -> Study``.
 
 Each builds its runs from the scale's configs with config overrides only, so
 the same study runs on Fashion-MNIST or ImageNet. Metrics are named
@@ -659,6 +660,58 @@ temperature 0.07, every block, nothing trained) are beyond the paper.""",
             if scale.knn else ())))
 
 
+# The precision study's arms: the scale's own (float32 at the Fashion-MNIST
+# scales: the downstream study's chains, recorded already), bfloat16, and
+# fp8 dense layers over bfloat16 (darl_jax/fp8.py). Every stage of an arm
+# runs at its precision: pretraining, fine-tuning and the probes' frozen pass.
+PRECISIONS = (("scale's own", ()),
+              ("bf16", ({"model.dtype": "bfloat16"},)),
+              ("fp8", ({"model.dtype": "bfloat16", "precision": "fp8"},)))
+
+
+def precision(scale: S.Scale, seeds: int) -> S.Study:
+  runs = []
+  for seed in range(seeds):
+    for name, arch in PRECISIONS:
+      pre = pretrain(scale, "diffusion", seed, *arch)
+      runs.append(S.Run({"precision": name, "protocol": "fine-tune", "seed": seed},
+                        (pre, finetune(scale, pre, seed, *arch))))
+      if scale.name in PROBE_GRIDS:
+        runs.append(S.Run({"precision": name, "protocol": "linear probe grid", "seed": seed},
+                          (pre, probe_grid(scale, pre, seed, *arch))))
+  tuned, grid = {"protocol": "fine-tune"}, {"protocol": "linear probe grid"}
+  return S.Study(
+      "precision", "fp8 dense layers against bf16: pretraining loss, fine-tuning, probes "
+      "(beyond the paper)",
+      paper="""
+Not in the DARL paper, which trains in bfloat16. fp8 matrix products (e4m3
+inputs, e5m2 gradients, darl_jax/fp8.py) run the dense layers about 1.7x
+faster on Hopper GPUs. Question: does diffusion pretraining in fp8 reach the
+same loss, and its checkpoint the same fine-tuned and linearly probed
+accuracy, as in bf16? The scale's own precision (float32 at the
+Fashion-MNIST scales) is the third arm.""",
+      runs=runs,
+      tables=[R.Table("Pretraining: final training loss and validation loss", ("precision",),
+                      None, ("pretrain/loss", "pretrain/val_loss"), where=tuned),
+              R.Table("Fine-tuned accuracy (each arm fine-tuned at its precision)",
+                      ("precision",), None, (ACC,), where=tuned),
+              *((R.Table("Linear probe grid: the held-out choice of block and setting",
+                         ("precision",), None, (CHOSEN,), where=grid),)
+                if scale.name in PROBE_GRIDS else ())],
+      comparisons=tuple(
+          [R.Comparison(f"{metric_name}: fp8 against bf16", {"precision": "fp8"},
+                        {"precision": "bf16"}, metric, where=where)
+           for metric_name, metric, where in (
+               ("pretraining loss", "pretrain/loss", tuned),
+               ("pretraining validation loss", "pretrain/val_loss", tuned),
+               ("fine-tuned accuracy", ACC, tuned),
+               *((("linear probe grid", CHOSEN, grid),) if scale.name in PROBE_GRIDS
+                 else ()))]
+          + [R.Comparison("fine-tuned accuracy: bf16 against the scale's own precision",
+                          {"precision": "bf16"}, {"precision": "scale's own"}, ACC,
+                          where=tuned)]))
+
+
 PAPER_AUGMENTATION = {"data.augment": "spatial", "data.crop_scale": (0.2, 1.0),
                       "randaugment.num_ops": 2, "randaugment.magnitude": 9.0,
                       "randaugment.magnitude_std": 0.5, "mixup.mixup_alpha": 0.8,
@@ -726,7 +779,7 @@ def _blocks(blocks: tuple) -> str:
 
 STUDIES = {f.__name__: f for f in (positional_encoding, patch_decoder, noise_schedule,
                                    training_length, readout, ordering, scaling, prefix,
-                                   downstream, finetune_recipe)}
+                                   downstream, finetune_recipe, precision)}
 
 
 def get_study(name: str, scale: S.Scale, seeds: int | None = None) -> S.Study:

@@ -384,7 +384,7 @@ SCALES["fmnist_long"] = dataclasses.replace(
                  "M": dict(_LONG_MODEL)},
     seeds={name: 3 for name in ("positional_encoding", "readout", "training_length",
                                 "patch_decoder", "noise_schedule", "ordering", "scaling",
-                                "prefix", "downstream")})
+                                "prefix", "downstream", "precision")})
 
 
 def training_images(stages) -> str:
