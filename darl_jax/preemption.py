@@ -153,8 +153,8 @@ class Agreement:
 class Preemption:
   """The loop's side of a preemption: ``open()`` before the first step,
   ``stop_step(step)`` at each step boundary, ``stop(step, wait)`` once the
-  stop step's save has started, ``after_loop(step)`` after the last step,
-  ``close()`` always (idempotent).
+  stop step's save has started, ``after_loop(step)`` after the last step
+  (it ends the watch of notices), ``close()`` always (idempotent).
 
   ``in_flight``: how many steps the loop dispatches ahead of the device
   (the agreement's margin is one more); ``unfinished``: the checkpoint
@@ -188,9 +188,18 @@ class Preemption:
     return self
 
   def close(self) -> None:
+    # The watch ends before the deadline is cancelled: a notice recorded
+    # after the cancel would start a deadline that nothing cancels, which
+    # would later end the process wherever it is (the closing programs, an
+    # error's clean-up) with a false "not committed".
+    self._end_watch()
     if self._timer is not None:
       self._timer.cancel()
       self._timer = None
+
+  def _end_watch(self) -> None:
+    """Puts back the handlers in place before ``open()`` (the CLI's raise
+    Terminated); from here on a signal raises instead of being recorded."""
     if self._open:
       self._open = False
       self._watch.__exit__(None, None, None)
@@ -287,10 +296,21 @@ class Preemption:
     process if any had a notice that the loop did not reach (it came after
     the last boundary, or the stop step lay beyond the last step), so that
     all skip the final artifacts alike; a rerun resumes at ``step`` and
-    makes them."""
+    makes them.
+
+    The watch ends here, before the answer is final, and a notice recorded
+    up to its end counts too: a signal either lands in the watch and is
+    read below, or comes after it and raises Terminated at once. Ending it
+    later, in ``close()``, would leave a gap after the last read in which a
+    notice is recorded and read by no one: the closing programs would run
+    and the run end as if no signal had come. A notice that arrives during
+    the agreement's barrier of a multi-process run stops its own process
+    only, as a signal a moment later would."""
     noticed = self._stop is not None or self.noticed
     if self._agreement is not None:
       noticed = self._agreement.at_end(noticed)
+    self._end_watch()
+    noticed = noticed or self.noticed
     if noticed:
       self._why = self._why or (self._watch.notice.name if self._watch.notice
                                 else "another process's notice")

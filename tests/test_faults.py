@@ -1,12 +1,12 @@
 """Faults at each phase of a run: signals, a full disk, a read-only workdir.
 
 SIGTERM at any phase (setup, compile, before / during / after the restore,
-the first step, mid-run, a save, the closing programs) ends the CLI with
-status 143 and one line, the newest committed checkpoint intact and nothing
-moved aside; SIGKILL at the same phases loses nothing committed; each rerun
-resumes from the newest checkpoint. A save that fails for lack of space or
-permission ends with one line that names the cause first, which no clean-up
-failure after it replaces.
+the first step, mid-run, a save, the end of the steps, the closing programs)
+ends the CLI with status 143 and one line, the newest committed checkpoint
+intact and nothing moved aside; SIGKILL at the same phases loses nothing
+committed; each rerun resumes from the newest checkpoint. A save that fails
+for lack of space or permission ends with one line that names the cause
+first, which no clean-up failure after it replaces.
 
 Each phase is hit deterministically: the subprocess runs the CLI through
 ``_DRIVER``, which wraps the phase's own function so that the process sends
@@ -28,7 +28,9 @@ import pytest
 
 from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import cli
+from darl_jax import interrupts
 from darl_jax import metrics as metrics_lib
+from darl_jax import preemption
 from darl_jax.train import loop
 from darl_jax.train.trainers import pretrain
 from test_reliability import tiny
@@ -43,7 +45,7 @@ _DRIVER = """
 import os, signal, sys, time
 phase, signame, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
 import orbax.checkpoint as ocp
-from darl_jax import checkpoint, main
+from darl_jax import checkpoint, interrupts, main
 from darl_jax.train import loop, startup, state
 from darl_jax.train.trainers import pretrain
 targets = {
@@ -54,6 +56,7 @@ targets = {
     "after restore": (state, "adopt_layout"),
     "step": (loop.Profile, "before"),                        # in the step loop
     "save": (checkpoint.Checkpointer, "_save"),
+    "steps done": (interrupts.watch, "__exit__"),            # the notices' last moment
     "closing": (pretrain.PretrainTrainer, "finalize"),
 }
 owner, name = targets[phase]
@@ -121,16 +124,19 @@ def _check(proc, workdir, before, phase, signame):
   # Nothing committed is lost, nothing is taken for damage.
   assert (newest or 0) >= (before or 0), (phase, before, newest)
   assert not (pathlib.Path(workdir) / checkpoint_lib.DAMAGED_DIR).exists(), text
-  if before and phase in ("after restore", "step", "save", "closing"):
+  if before and phase in ("after restore", "step", "save", "steps done", "closing"):
     assert f"at step {before}" in proc.stderr, text      # it resumed from the newest
   return newest
 
 
 # (phase, the call that is hit): the runs of each test in this order carry
-# one workdir from a fresh start to a finished run.
+# one workdir from a fresh start to a finished run. "steps done": SIGTERM as
+# the steps' watch of notices ends (after the last step's checkpoint, before
+# the closing programs), where a notice recorded but read by no one would let
+# the run finish and exit 0.
 SIGTERM_RUNS = [("setup", 1), ("compile", 1), ("step", 1), ("before restore", 1),
                 ("restore", 1), ("after restore", 1), ("save", 1), ("step", 3),
-                ("closing", 1)]
+                ("steps done", 1), ("closing", 1)]
 # SIGKILL in the second save (step 4): the first (step 2) is committed by then,
 # since each save waits for the one before.
 SIGKILL_RUNS = [("setup", 1), ("compile", 1), ("save", 2), ("restore", 1), ("step", 1),
@@ -149,6 +155,26 @@ def test_a_signal_at_each_phase_loses_nothing_committed(tmp_path, signame, runs)
   assert rerun.returncode == 0, rerun.stderr[-4000:]
   assert f"at step {STEPS}" in rerun.stderr
   assert (wd / "predictions.png").exists()
+
+
+def test_a_notice_as_the_watch_ends_leaves_no_deadline_running(monkeypatch):
+  """SIGTERM at the last moment of the steps' watch, as ``close()`` ends it
+  (the clean-up after an error): the notice is recorded and starts the
+  deadline, which ``close()`` must still cancel; one started after its
+  cancel would end the process later, wherever it is, with a false "not
+  committed"."""
+  p = preemption.Preemption(tiny(), in_flight=loop.IN_FLIGHT, unfinished=list, is_main=True)
+  # A deadline left running by a failure here must not end pytest (os._exit).
+  monkeypatch.setattr(p, "_expire", lambda: None)
+  p.open()
+  real_exit = interrupts.watch.__exit__
+
+  def exit_hit_by_sigterm(self, *exc):
+    os.kill(os.getpid(), signal.SIGTERM)     # the watch still records it
+    return real_exit(self, *exc)
+  monkeypatch.setattr(interrupts.watch, "__exit__", exit_hit_by_sigterm)
+  p.close()
+  assert p.noticed and p._timer is None      # pylint: disable=protected-access
 
 
 # ------------------------------------------ a full disk, a read-only workdir
