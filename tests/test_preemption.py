@@ -332,14 +332,27 @@ def _last_logged_step(workdir) -> int:
   return max(steps, default=0)
 
 
-def _signal_when_logged(proc, workdir, step: int, signum, timeout: float = 240) -> int:
+def _signal_when_logged(proc, workdir, step: int, signum, timeout: float = 240,
+                        pause=None) -> int:
   """Sends ``signum`` to ``proc`` once metrics.jsonl has a record of ``step``;
-  returns the last step logged when it was sent."""
+  returns the last step logged when it was sent.
+
+  The run's processes (``pause``, default ``proc``) are stopped (SIGSTOP)
+  while the log is read again and the signal sent, then continued: the step
+  returned is where the run was when the signal reached it, however long
+  this test process itself waited to be scheduled between the two."""
+  pause = pause or [proc]
   deadline = time.time() + timeout
   while time.time() < deadline and proc.poll() is None:
-    logged = _last_logged_step(workdir)
-    if logged >= step:
-      proc.send_signal(signum)
+    if _last_logged_step(workdir) >= step:
+      for p in pause:
+        p.send_signal(signal.SIGSTOP)
+      try:
+        logged = _last_logged_step(workdir)
+        proc.send_signal(signum)
+      finally:
+        for p in pause:
+          p.send_signal(signal.SIGCONT)
       return logged
     time.sleep(0.01)
   raise AssertionError(f"the run never logged step {step} (exit {proc.poll()})")
@@ -407,7 +420,8 @@ def test_two_processes_save_the_same_step_when_one_gets_the_signal(tmp_path):
            f"--config.preemption_deadline_s={deadline}"],
           cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
   try:
-    sent = _signal_when_logged(procs[1], wd, random.randint(2, 15), signal.SIGUSR1)
+    sent = _signal_when_logged(procs[1], wd, random.randint(2, 15), signal.SIGUSR1,
+                               pause=procs)
     sent_at = time.time()
     statuses = [p.wait(timeout=120) for p in procs]
     took = time.time() - sent_at
