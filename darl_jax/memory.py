@@ -1,67 +1,112 @@
-"""Per-device memory estimate for DARL pretraining, to choose a mesh before a run.
+"""Per-device memory estimate of a train step, to choose a mesh and a microbatch.
 
     python -m darl_jax.memory --variant=L/16 --batch_size=4096 \\
         --mesh=data:8,fsdp:4,tensor:1 --sharding=fsdp
 
 prints one row per variant (default: B/16, L/16, H/14, g/14) with the
-per-device GiB of each part, for the paper's ImageNet pretraining setup
-(224x224, bf16 compute, diffusion decoder of one Transformer block).
+per-device GiB of each part, for the paper's ImageNet pretraining setup on
+GPUs (224x224, bf16 compute, diffusion decoder of one Transformer block).
+The training CLI's automatic microbatch (``microbatch_size=-1``,
+train/fit.py) reads ``estimate`` for every trainer, on the backend that
+compiles the step, before anything compiles.
 
-What is counted
----------------
-Parameter shapes come from the real model (``jax.eval_shape`` of its init, so
-nothing is allocated) and each leaf is divided by the number of devices the
-partition rules of ``--sharding`` split it over (``darl_jax/sharding.py``,
-the rules the training loop uses):
+The state
+---------
+Parameter shapes come from the run's tree (``params=``; default: the DARL
+model's, ``jax.eval_shape`` of its init) and each leaf is divided by the
+number of devices the partition rules of ``--sharding`` split it over
+(``darl_jax/sharding.py``, the rules the training loop uses):
 
 * parameters: fp32, 4 bytes per element;
 * gradients: fp32, sharded like the parameters, 4 bytes;
-* Adam moments ``mu`` and ``nu``: fp32, 8 bytes;
+* optimizer state (column ``adam``): AdamW's ``mu`` and ``nu``, 8 bytes;
+  LARS's or SGD's momentum, 4;
 * the EMA of the parameters (``ema_decay > 0``): fp32, 4 bytes (counted in
   the state total, not shown as a column);
 * FSDP gather buffer (fsdp > 1): two blocks' worth of whole fp32 parameters
   (the block being computed and the next one being gathered).
 
-Activations are what the backward pass keeps, per example and per block of
-width ``D``, MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of
-``a`` bytes (2 for bf16) and tensor-parallel size ``t``::
+Parameters that ``optim.frozen`` freezes get no gradient or optimizer
+state. Gradient accumulation (``num_microbatches > 1``, ``batch_size``
+then being the microbatch) adds what lives for the whole step: the float32
+gradient sum and the whole batch as the step prepares it before splitting
+(float32 images, and for diffusion one noise draw of the same size per
+``noise_samples``); ``accumulation`` holds it.
+
+Activations of a trained backbone
+---------------------------------
+What the backward pass keeps, per example and per block of width ``D``,
+MLP width ``F``, ``H`` heads, ``T`` tokens, activation dtype of ``a``
+bytes (2 for bf16) and tensor-parallel size ``t``::
 
     block (no remat) = a * T * (4 D + (4 D + 2 F) / t) + attention
         4 D:   block input, LN1 output, residual after attention, LN2 output
         4 D/t: rotated q and k, v, attention output (heads split over t)
         2 F/t: MLP hidden before and after the GELU
-    attention = (4 + a) * (H / t) * T^2   for kernels.attention=xla (fp32
-                softmax probabilities and their compute-dtype copy; also
-                ``auto`` where it resolves to XLA's), 4 * (H / t) * T for
-                cudnn and hopper (flash kernels keep only the log-sum-exp)
+    attention = (4 + a) * (H / t) * T^2   where XLA's attention runs (fp32
+                softmax probabilities and their compute-dtype copy),
+                4 * (H / t) * T where a flash kernel does (the log-sum-exp)
     block (remat=save_dots) = a * T * (2 D + (3 D + F) / t + D)
         the block input, q/k/v, both Dense outputs of width D, fc1 output
     block (remat=full) = a * T * D  (the block input)
         plus, once, one whole block being recomputed during the backward pass
 
-The patch decoder (not rematerialised) adds ``depth * noise_samples`` blocks of
-its own width over 2 tokens for every patch (attention over 2 tokens is
-negligible). Per device the batch is ``batch_size / (data * fsdp)``.
+Which attention runs follows darl_jax/ops.py's dispatch
+(``attention_implementation``): the Hopper kernel takes causal attention
+only, cuDNN 16-bit sequences of even length on a GPU, and the rest is
+XLA's, so a fine-tune's full attention over ``[SOS, x_1 .. x_N]`` (N + 1
+tokens, odd for N = 196 or 256) keeps its probabilities. ``T`` is the
+trainer's sequence: N tokens in pretraining (``[SOS, x_1 .. x_{N-1}]``),
+N + 1 in a classifier with ``head.sos`` and in a probe's frozen pass.
 
-Other trainers (fine-tuning, probes) are estimated from their own parameter
-tree (``params=``) with the same block formula and no decoder. Parameters
-that ``optim.frozen`` freezes get no gradient or Adam moments, and a frozen
-backbone (a probe's, under ``stop_gradient``) keeps nothing for a backward
-pass: one block's activations per example, transient, instead.
+Beside the blocks, per example: the patches (``a`` bytes a pixel, the
+embedding's gradient reads them), the final LayerNorm's output and the
+backward's first wide temporary, the gradient of one MLP hidden layer.
+Pretraining adds, per patch and noise draw, the float32 prediction and its
+error, and for the Transformer decoder (not rematerialised) its two token
+embeddings, its full blocks over the two tokens, the read-out block (the
+last one, which computes the second token alone), its final LayerNorm and
+the float32 noisy patch. A classifier's head, logits and mixed, smoothed
+targets are ``K`` floats per example, nothing beside the blocks.
 
-Gradient accumulation (``num_microbatches > 1``, ``batch_size`` then being
-the microbatch) adds what lives for the whole step: the float32 gradient
-sum (4 bytes per trained parameter) and the whole batch as the step
-prepares it before splitting (float32 images, and for diffusion one noise
-draw of the same size per ``noise_samples``); ``accumulation`` holds it.
-Ignored: embeddings, the final LayerNorm, the loss, XLA's temporaries and
-fragmentation, and the input pipeline.
+Probes: a frozen backbone
+-------------------------
+A probe's backbone (frozen by ``optim.frozen``, its output under
+``stop_gradient``) keeps nothing for a backward pass: per example, the most
+its forward pass holds at once, the larger of a block's MLP (the residual
+and the hidden layer before and after the GELU) and its attention (the
+residual, the LN1 output, and for XLA's attention the float32 logits and
+exponentials and the probabilities). The attentive probe's head then holds,
+per chosen block, the float32 patch tokens, their keys and values and, in
+its backward pass, their gradients; a linear probe's pooled features are
+``D`` floats. A probe grid's heads live in the model state, which
+``estimate`` is not given: not counted.
 
-The block formula omits float32 copies that LayerNorm and the loss keep,
-so it reads low against XLA's buffer assignment of the real step, more so
-without remat than with full remat (docs/TPU.md and benchmarks/RESULTS.md
-hold the comparisons); the table therefore plans with 1.4x the ``none``
-column and 1.1x the ``full`` column.
+The step's peak
+---------------
+XLA reuses the backward pass's memory for the optimizer's update, so the
+total is the state plus the larger of the two: ``Estimate.total``.
+Ignored: what lives beside the step (evaluation programs, prefetched
+batches), the allocator's fragmentation and the input pipeline.
+
+XLA:CPU
+-------
+The CPU compiler (tests, ``backend="cpu"``) keeps float32 intermediates
+that the GPU's and TPU's fusions recompute, counted for it alone: two
+float32 copies of each LayerNorm's input, GELU's float32 ``erf`` (common
+subexpression of the forward pass and the recomputing backward), the
+softmax's float32 exponentials, and for full attention one broadcast
+``[H, T, T]`` float32 constant. Its pipeline merges a rematerialised
+block's recomputation back into the forward pass, so every ``remat`` keeps
+what ``none`` does. Its update copies the state it overwrites: half a float32
+copy of the trained parameters (the old moments of the leaves being
+updated), and with an EMA two whole copies more (the old parameters and
+the update's direction, held for every leaf at once); the accelerators
+update in place.
+
+The CLI's table plans with 1.4x the ``none`` column and 1.1x the ``full``
+column, the margin XLA's GPU buffer assignment needed beyond the block
+formula with XLA's LayerNorm and MLP (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -90,13 +135,16 @@ class Estimate:
   per_device_batch: int
   ema: float = 0.0
   accumulation: float = 0.0   # gradient sum and the prepared batch (module docstring)
+  update: float = 0.0         # the optimizer update's temporaries (module docstring)
 
   def state(self) -> float:
     return (self.params + self.grads + self.adam + self.ema + self.fsdp_buffer
             + self.accumulation)
 
   def total(self, remat: str) -> float:
-    return self.state() + self.activations[remat]
+    """The state and the larger of the backward pass's activations and the
+    update's temporaries: XLA reuses the one's memory for the other."""
+    return self.state() + max(self.activations[remat], self.update)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -143,12 +191,45 @@ def _shards(spec, mesh: dict[str, int]) -> int:
   return n
 
 
+def attention_implementation(kernel: str, *, causal: bool, tokens: int, dtype: str,
+                             backend: str) -> str:
+  """What a self-attention over ``tokens`` keys keeps for its backward pass,
+  by darl_jax/ops.py's dispatch (``ops.attention``) of ``kernel`` (the
+  resolved ``kernels.attention``): ``"flash"`` (cuDNN's or the Hopper
+  kernel: the log-sum-exp only) or ``"xla"`` (the probabilities). The
+  Hopper kernel runs causal attention only; cuDNN, and ``auto``, take
+  16-bit inputs of even length on a GPU; anything else is XLA's."""
+  from darl_jax import ops  # pylint: disable=g-import-not-at-top
+  if tokens <= ops.SHORT_KEYS:
+    return "xla"
+  if kernel == "hopper" and causal:
+    return "flash"
+  if kernel == "cudnn":
+    return "flash"
+  if kernel in ("auto", "hopper"):
+    sixteen_bit = dtype in ("bfloat16", "float16")
+    return "flash" if backend == "gpu" and sixteen_bit and tokens % 2 == 0 else "xla"
+  return "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """What the step's ops keep (module docstring): ``attention``, ``"flash"``
+  or ``"xla"`` (attention_implementation); ``mlp`` and ``norm``, whether
+  XLA's ops run them (``"xla"``) or darl_jax/kernels' (anything else);
+  ``cpu``, whether XLA:CPU compiles the step (its fusions keep more)."""
+  attention: str = "xla"
+  mlp: str = "xla"
+  norm: str = "xla"
+  cpu: bool = False
+
+
 def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
                            act_bytes: int, tensor: int, remat: str,
-                           attention: str = "xla") -> float:
+                           kernels: Kernels = Kernels()) -> float:
   """Bytes one example keeps for the backward pass of one block (module
-  docstring); ``attention``: the implementation that runs (``cudnn`` and
-  ``hopper`` keep no probabilities; anything else counts as XLA's)."""
+  docstring): the accelerators' count, and XLA:CPU's beyond it
+  (``cpu_block_bytes``) where ``kernels.cpu``."""
   t, a, d, f = tensor, act_bytes, width, mlp_dim
   if remat == "full":
     return a * tokens * d
@@ -156,28 +237,74 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
     return a * tokens * (2 * d + (3 * d + f) / t + d)
   if remat != "none":
     raise ValueError(f"unknown remat {remat!r}; valid: {', '.join(REMATS)}")
-  if attention in ("cudnn", "hopper"):   # flash kernels keep the log-sum-exp only
+  if kernels.attention == "flash":   # flash kernels keep the log-sum-exp only
     attention = 4 * heads / t * tokens
   else:
     attention = (4 + a) * heads / t * tokens ** 2
-  return a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention
+  return (a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention
+          + cpu_block_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,
+                            tensor=tensor, kernels=kernels))
+
+
+def cpu_block_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int, tensor: int,
+                    kernels: Kernels) -> float:
+  """What XLA:CPU keeps of one block beyond ``block_activation_bytes``'s
+  count (module docstring, "XLA:CPU"); 0 for other backends."""
+  if not kernels.cpu:
+    return 0.0
+  t, d, f = tensor, width, mlp_dim
+  extra = 0.0
+  if kernels.norm == "xla":          # two float32 copies of each LayerNorm's input
+    extra += 2 * 2 * 4 * tokens * d
+  if kernels.mlp == "xla":           # GELU's float32 erf, shared with its backward
+    extra += 4 * tokens * f / t
+  if kernels.attention != "flash":   # the softmax's float32 exponentials
+    extra += 4 * heads / t * tokens ** 2
+  return extra
+
+
+def _model_dims(config) -> dict:
+  """Width, depth, heads, MLP width and patch size of ``config.model``."""
+  from darl_jax.models import vit as vit_lib  # pylint: disable=g-import-not-at-top
+  m = config.model
+  variant, patch = vit_lib.parse_variant(m.variant)
+  return dict(width=m.get("width") or variant.width, depth=m.get("depth") or variant.depth,
+              heads=m.get("num_heads") or variant.num_heads,
+              mlp_dim=m.get("mlp_dim") or variant.mlp_dim, patch=patch)
+
+
+def _sequence(config, patches: int) -> tuple[int, bool]:
+  """``(tokens, causal)`` of the backbone's pass in ``config.trainer``'s
+  step: pretraining runs ``[SOS, x_1 .. x_{N-1}]`` (N tokens), a classifier
+  ``[SOS, x_1 .. x_N]`` (without SOS where ``head.sos`` is off), a probe's
+  frozen pass ``[SOS, x_1 .. x_N]``."""
+  trainer = config.get("trainer", "pretrain")
+  causal = bool(config.model.get("causal", True))
+  if trainer in ("finetune", "supervised"):
+    return patches + (1 if config.get("head", {}).get("sos", True) else 0), causal
+  if trainer in ("linear_probe", "attentive_probe"):
+    return patches + 1, causal
+  return patches, causal
 
 
 def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
-             params=None, num_microbatches: int = 1) -> Estimate:
+             params=None, num_microbatches: int = 1, backend: str | None = None) -> Estimate:
   """Per-device memory of pretraining ``config`` on ``mesh`` with rules
   ``sharding`` (another trainer's: pass its ``params``), ``batch_size``
   examples at once, ``num_microbatches`` of them per step (module
   docstring). The attention's share follows ``config.kernels.attention``
   as resolved on this backend (``ops.resolve``: ``auto`` is the Hopper
-  kernels on an H100 in bfloat16, else counted as XLA's)."""
+  kernels on an H100 in bfloat16, else cuDNN's where it takes the
+  sequence, else XLA's); ``backend``: the XLA backend that compiles the
+  step (default: JAX's default backend; ``cpu`` counts what XLA:CPU keeps
+  beyond the GPU's and TPU's fusions)."""
   import jax  # pylint: disable=g-import-not-at-top
   from darl_jax import ops  # pylint: disable=g-import-not-at-top
   from darl_jax import optim  # pylint: disable=g-import-not-at-top
   from darl_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  from darl_jax.models import vit as vit_lib  # pylint: disable=g-import-not-at-top
 
   params = abstract_params(config) if params is None else params
+  backend = backend or _platform(params) or jax.default_backend()
   rules = sharding_lib.check_rules(sharding)
   specs = sharding_lib.tree_specs(params, mesh, rules)
   leaves = jax.tree_util.tree_leaves(params)
@@ -199,54 +326,165 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   per_device = batch_size // batch_shards
 
   m = config.model
-  variant, patch = vit_lib.parse_variant(m.variant)
-  width = m.get("width") or variant.width
-  depth = m.get("depth") or variant.depth
-  heads = m.get("num_heads") or variant.num_heads
-  mlp_dim = m.get("mlp_dim") or variant.mlp_dim
-  tokens = (m.image_size // patch) ** 2          # [SOS, x_1 .. x_{N-1}]: N tokens
+  dims = _model_dims(config)
+  width, depth, heads, mlp_dim = dims["width"], dims["depth"], dims["heads"], dims["mlp_dim"]
+  patch, channels = dims["patch"], m.get("channels", 3)
+  patches = (m.image_size // patch) ** 2
+  tokens, causal = _sequence(config, patches)
   dtype = m.get("dtype", "float32")
   act_bytes = 2 if dtype == "bfloat16" else 4
-  kw = dict(act_bytes=act_bytes, tensor=mesh["tensor"],
-            attention=ops.resolve(config.get("kernels"), dtype).attention)
+  tensor = mesh["tensor"]
+  resolved = ops.resolve(config.get("kernels"), dtype)
+  kernels = Kernels(
+      attention=attention_implementation(resolved.attention, causal=causal, tokens=tokens,
+                                         dtype=dtype, backend=backend),
+      mlp=resolved.mlp, norm=resolved.norm, cpu=backend == "cpu")
+  kw = dict(act_bytes=act_bytes, tensor=tensor, kernels=kernels)
+  trainer = config.get("trainer", "pretrain")
 
-  dec = config.get("decoder", {})
-  dec_blocks = 0
-  if dec and dec.get("kind") == "transformer":
-    dec_blocks = dec.get("depth", 1) * config.loss.get("noise_samples", 1)
-  dec_width = (dec.get("width", 0) if dec else 0) or width
-  dec_heads = (dec.get("num_heads", 0) if dec else 0) or heads
-  # Every one of the `tokens` patches runs the decoder over a 2-token sequence.
-  decoder = dec_blocks * tokens * block_activation_bytes(
-      tokens=2, width=dec_width, mlp_dim=4 * dec_width, heads=dec_heads, remat="none",
-      **kw)
+  decoder = 0.0
+  if trainer == "pretrain":
+    decoder = decoder_bytes(config, width=width, heads=heads, patch_dim=patch * patch * channels,
+                            **kw)
 
-  one_block = block_activation_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim,
-                                     heads=heads, remat="none", **kw)
+  block = lambda remat: block_activation_bytes(
+      tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw)
+  one_block = block("none")
+  pixels = m.image_size * m.image_size * channels
+  outside = outside_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,
+                          causal=causal, pixels=pixels, **kw)
   activations = {}
   for remat in REMATS:
-    per_example = depth * block_activation_bytes(
-        tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw)
-    if remat != "none":   # one block recomputed at a time in the backward pass
+    # XLA:CPU merges a rematerialised block's recomputation back into the
+    # forward pass (module docstring): there every remat keeps what none does.
+    kept = "none" if kernels.cpu else remat
+    per_example = depth * block(kept)
+    if kept != "none":    # one block recomputed at a time in the backward pass
       per_example += one_block
-    if frozen_backbone:   # a forward pass only: one block's activations at a time
-      per_example = one_block
-    activations[remat] = per_device * (per_example + decoder)
+    activations[remat] = per_device * (per_example + outside + decoder)
+  if frozen_backbone:     # a forward pass only: the most it holds at once
+    forward = frozen_forward_bytes(config, tokens=tokens, width=width, mlp_dim=mlp_dim,
+                                   heads=heads, patches=patches, **kw)
+    activations = {remat: per_device * forward for remat in REMATS}
 
   accumulation = 0.0
   if num_microbatches > 1:
-    pixels = m.image_size * m.image_size * m.get("channels", 3)
     draws = config.loss.get("noise_samples", 1) if config.get("loss", {}).get(
         "kind") == "diffusion" else 0
     accumulation = 4 * trained + 4 * pixels * (1 + draws) * per_device * num_microbatches
 
+  ema = 4 * local if config.get("ema_decay", 0.0) else 0.0
   block_params = 4 * width * width + 2 * width * mlp_dim + 9 * width + mlp_dim
   fsdp_buffer = 2 * 4 * block_params if mesh["fsdp"] > 1 else 0.0
   return Estimate(variant=m.variant, num_params=sum(numels), params=4 * local,
-                  grads=4 * trained, adam=8 * trained, fsdp_buffer=fsdp_buffer,
+                  grads=4 * trained, adam=optimizer_state_bytes(config) * trained,
+                  fsdp_buffer=fsdp_buffer,
                   activations=activations, per_device_batch=per_device,
-                  ema=4 * local if config.get("ema_decay", 0.0) else 0.0,
-                  accumulation=accumulation)
+                  ema=ema, accumulation=accumulation,
+                  update=update_bytes(trained, ema, kernels))
+
+
+def _platform(params) -> str | None:
+  """The platform of the devices ``params`` (abstract, with shardings) lie
+  on: the one that compiles the step, also where it differs from JAX's
+  default backend (a TPU topology compiled for from a CPU host); None
+  without shardings."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for leaf in jax.tree_util.tree_leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    devices = getattr(sharding, "device_set", None)
+    if devices:
+      return next(iter(devices)).platform
+  return None
+
+
+def decoder_bytes(config, *, width: int, heads: int, patch_dim: int, act_bytes: int,
+                  tensor: int, kernels: Kernels) -> float:
+  """Per example, what pretraining's patch decoder and loss keep (module
+  docstring): per patch and noise draw, the float32 prediction and its
+  error, and for the Transformer decoder its two token embeddings, its
+  blocks over the two tokens, the read-out block (the last: the second
+  token's output alone, the first giving keys and values), its final
+  LayerNorm and the float32 noisy patch."""
+  a, t = act_bytes, tensor
+  dec, loss = config.get("decoder", {}), config.get("loss", {})
+  patches = (config.model.image_size // _model_dims(config)["patch"]) ** 2
+  draws = loss.get("noise_samples", 1) if loss.get("kind") == "diffusion" else 1
+  row = 2 * 4 * patch_dim                          # the prediction and its error
+  depth = dec.get("depth", 1)
+  if dec.get("kind") == "transformer" and depth > 0:
+    d = dec.get("width", 0) or width
+    f = 4 * d
+    h = dec.get("num_heads", 0) or heads
+    row += 4 * patch_dim + a * 2 * d               # the noisy patch, both token embeddings
+    row += (depth - 1) * block_activation_bytes(
+        tokens=2, width=d, mlp_dim=f, heads=h, remat="none", act_bytes=a, tensor=t,
+        kernels=dataclasses.replace(kernels, attention="xla"))
+    # Read-out block: LN1 of both tokens; k and v of both, q of one; the
+    # attention's output, the residual, LN2 and the residual after the MLP
+    # of one token; the MLP hidden twice; two-key attention's float32 terms.
+    row += a * d * (2 + (4 + 1) / t + 1 / t + 3) + a * 2 * f / t + 2 * 4 * d / t
+    row += a * d                                   # the final LayerNorm's output
+    if kernels.cpu and kernels.norm == "xla":      # LN1 of two tokens, LN2 and the final of one
+      row += 4 * 2 * 4 * d
+    if kernels.cpu and kernels.mlp == "xla":
+      row += 4 * f / t
+  return draws * patches * row
+
+
+def outside_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int, causal: bool,
+                  pixels: int, act_bytes: int, tensor: int, kernels: Kernels) -> float:
+  """Per example, what a trained backbone's step keeps beside its blocks
+  (module docstring): the patches, the final LayerNorm and the gradient of
+  one MLP hidden layer (the backward's first wide temporary)."""
+  a = act_bytes
+  out = a * pixels                                # the patches, for the embedding's gradient
+  out += a * tokens * width                       # the final LayerNorm's output
+  out += a * tokens * mlp_dim / tensor            # the first block's backward: dMLP hidden
+  if kernels.cpu and kernels.norm == "xla":       # as a block's LayerNorm (cpu_block_bytes)
+    out += 2 * 4 * tokens * width
+  if kernels.cpu and kernels.attention != "flash" and not causal:
+    out += 4 * heads / tensor * tokens ** 2       # XLA:CPU's broadcast of the unmasked logits
+  return out
+
+
+def frozen_forward_bytes(config, *, tokens: int, width: int, mlp_dim: int, heads: int,
+                         patches: int, act_bytes: int, tensor: int, kernels: Kernels) -> float:
+  """Per example, the most a frozen backbone's forward pass holds at once
+  (nothing is kept for a backward pass; module docstring) plus what the
+  probe's head keeps: the attentive probe's float32 tokens of its blocks
+  and their keys and values."""
+  a, t, d, f = act_bytes, tensor, width, mlp_dim
+  mlp = a * tokens * (d + 2 * f / t)                 # the residual, the MLP hidden twice
+  attention = a * tokens * (d + 4 * d / t)           # the residual, q, k, v, output
+  if kernels.attention != "flash":                   # float32 logits and exponentials, probabilities
+    attention = a * tokens * 2 * d + (8 + a) * heads / t * tokens ** 2
+  head = 0.0
+  if config.get("trainer") == "attentive_probe":   # after the backbone's pass
+    # The float32 tokens, their keys and values, and the keys' and values'
+    # gradients in the backward pass.
+    blocks = len(tuple(config.get("probe", {}).get("blocks", (-1,))))
+    head = 5 * 4 * blocks * patches * d
+  return max(mlp, attention, head)
+
+
+def optimizer_state_bytes(config) -> int:
+  """Bytes of optimizer state per trained parameter (darl_jax/optim.py):
+  AdamW's two float32 moments, LARS's or SGD's float32 momentum."""
+  cfg = config.get("optim") or {}
+  name = cfg.get("name", "adamw")
+  if name == "adamw":
+    return 8
+  return 4 if cfg.get("momentum", 0.0) else 0
+
+
+def update_bytes(trained: float, ema: float, kernels: Kernels) -> float:
+  """The optimizer update's temporaries beside the gradients (module
+  docstring): XLA:CPU copies the state it overwrites; other backends
+  update in place."""
+  if not kernels.cpu:
+    return 0.0
+  return 0.5 * 4 * trained + 2 * ema
 
 
 def table(estimates: list[Estimate], device_gib: float | None = None) -> str:
@@ -298,7 +536,8 @@ def main(argv=None) -> str:
   for variant in filter(None, args.variant.split(",")):
     config = pretrain_config(variant, args.objective, image_size=args.image_size,
                              dtype=args.dtype, kernels={"attention": args.attention})
-    estimates.append(estimate(config, mesh, args.sharding, args.batch_size))
+    # The table plans a GPU run (its --attention choices), wherever it is printed.
+    estimates.append(estimate(config, mesh, args.sharding, args.batch_size, backend="gpu"))
   n = int(np.prod(list(mesh.values())))
   lines = [f"per-device GiB: batch {args.batch_size} ({estimates[0].per_device_batch} per "
            f"device), mesh {mesh} ({n} devices), sharding={args.sharding}, "

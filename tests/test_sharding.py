@@ -180,7 +180,11 @@ def test_memory_estimate_matches_a_hand_count():
   total = DEPTH * BLOCK_PARAMS + OTHER_PARAMS
   assert total == 100_740
 
-  est = memory.estimate(config, {"data": 2, "fsdp": 2, "tensor": 1}, "fsdp", batch_size=16)
+  # The accelerators' count (backend="gpu"); XLA:CPU's own terms are
+  # tests/test_memory_estimate.py's.
+  estimate = lambda config, mesh, rules, batch_size: memory.estimate(
+      config, mesh, rules, batch_size=batch_size, backend="gpu")
+  est = estimate(config, {"data": 2, "fsdp": 2, "tensor": 1}, "fsdp", batch_size=16)
   assert est.num_params == total
   # Every leaf has an even largest axis: FSDP over 2 halves all of them.
   assert est.params == est.grads == 4 * total / 2 and est.adam == 8 * total / 2
@@ -188,20 +192,26 @@ def test_memory_estimate_matches_a_hand_count():
   assert est.per_device_batch == 16 // (2 * 2)
   assert est.ema == 0 and est.state() == est.params + est.grads + est.adam + est.fsdp_buffer
   config.ema_decay = 0.999   # one more float32 copy of the (sharded) parameters
-  with_ema = memory.estimate(config, {"data": 2, "fsdp": 2, "tensor": 1}, "fsdp", batch_size=16)
+  with_ema = estimate(config, {"data": 2, "fsdp": 2, "tensor": 1}, "fsdp", batch_size=16)
   assert with_ema.state() - est.state() == 4 * total / 2
   config.ema_decay = 0.0
   a = 4   # float32 activations
   block = a * T * (4 * D + 4 * D + 2 * F) + (4 + a) * H * T * T     # 69,632 bytes
-  assert est.activations["none"] == 4 * DEPTH * block
-  assert est.activations["full"] == 4 * (DEPTH * a * T * D + block)
-  assert est.activations["save_dots"] == 4 * (DEPTH * a * T * (3 * D + 3 * D + F) + block)
+  # Beside the blocks: the patches (8x8 pixels), the final LayerNorm, one MLP
+  # hidden layer's gradient; the float32 prediction and its error per patch.
+  outside = a * 64 + a * T * D + a * T * F + 2 * 4 * T * P_DIM       # 21,248 bytes
+  assert est.activations["none"] == 4 * (DEPTH * block + outside)
+  assert est.activations["full"] == 4 * (DEPTH * a * T * D + block + outside)
+  assert est.activations["save_dots"] == 4 * (
+      DEPTH * a * T * (3 * D + 3 * D + F) + block + outside)
+  assert est.update == 0 and est.total("none") == est.state() + est.activations["none"]
 
-  est = memory.estimate(config, {"data": 1, "fsdp": 1, "tensor": 2}, "tensor", batch_size=16)
+  est = estimate(config, {"data": 1, "fsdp": 1, "tensor": 2}, "tensor", batch_size=16)
   local = DEPTH * (TENSOR_PARAMS / 2 + BLOCK_PARAMS - TENSOR_PARAMS) + OTHER_PARAMS
   assert est.params == 4 * local and est.fsdp_buffer == 0
   block_t = a * T * (4 * D + (4 * D + 2 * F) / 2) + (4 + a) * (H / 2) * T * T
-  assert est.activations["none"] == 16 * DEPTH * block_t
+  outside_t = a * 64 + a * T * D + a * T * F / 2 + 2 * 4 * T * P_DIM
+  assert est.activations["none"] == 16 * (DEPTH * block_t + outside_t)
 
 
 def test_memory_cli_prints_a_table():

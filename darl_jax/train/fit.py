@@ -303,33 +303,40 @@ def memory_stats(device) -> dict:
 
 
 def estimate_bytes(config, mesh_shape: dict, microbatch: int, *, num_microbatches: int = 1,
-                   params=None) -> float | None:
+                   params=None, backend: str | None = None) -> float | None:
   """darl_jax/memory.py's estimate of the train step's bytes per device at
   ``microbatch`` examples at once, ``num_microbatches`` per step (its
-  ``model.remat`` column); ``params``: the run's parameter tree (default:
-  the DARL model of ``config``). None where memory.py cannot read the
-  config (no ViT ``config.model``)."""
+  ``model.remat`` column), for any trainer; ``params``: the run's parameter
+  tree (default: the DARL model of ``config``), whose shardings name the
+  backend that compiles the step (``backend`` overrides it; memory.py
+  counts what XLA:CPU keeps beyond the accelerators). None where memory.py
+  cannot read the config (no ViT ``config.model``)."""
   if "model" not in config or not config.model.get("variant"):
     return None
   from darl_jax import memory  # pylint: disable=g-import-not-at-top
   try:
     est = memory.estimate(config, mesh_shape, config.get("sharding", "replicated"),
-                          microbatch, params=params, num_microbatches=num_microbatches)
+                          microbatch, params=params, num_microbatches=num_microbatches,
+                          backend=backend)
     return est.total(config.model.get("remat", "none"))
   except (ValueError, KeyError) as e:
     logging.info("memory.py gives no estimate for this config: %s", e)
     return None
 
 
-def describe_estimate(config, mesh_shape: dict, microbatch: int) -> str | None:
+def describe_estimate(config, mesh_shape: dict, microbatch: int,
+                      backend: str = "tpu") -> str | None:
   """darl_jax/memory.py's analytic estimate of a pretraining step at
-  ``microbatch`` examples (of ``config.batch_size`` per step), for the log
-  and the TPU compile report beside the compiled figure; None for other
-  trainers (memory.py's figures are checked for pretraining only)."""
+  ``microbatch`` examples (of ``config.batch_size`` per step), for the TPU
+  compile report beside the compiled figure (darl_jax/compile.py, which
+  compiles for ``backend`` from a host whose own backend is the CPU); None
+  for other trainers, whose parameter trees the report does not pass (the
+  start-up's log line estimates every trainer from the run's own)."""
   if config.get("trainer") != "pretrain" or "decoder" not in config:
     return None
   total = estimate_bytes(config, mesh_shape, microbatch,
-                         num_microbatches=max(config.batch_size // microbatch, 1))
+                         num_microbatches=max(config.batch_size // microbatch, 1),
+                         backend=backend)
   return None if total is None else f"{total / GIB:.2f} GiB"
 
 
