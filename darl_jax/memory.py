@@ -46,6 +46,9 @@ bytes (2 for bf16) and tensor-parallel size ``t``::
     attention = (4 + a) * (H / t) * T^2   where XLA's attention runs (fp32
                 softmax probabilities and their compute-dtype copy),
                 4 * (H / t) * T where a flash kernel does (the log-sum-exp)
+    fp8 (precision='fp8') adds T * ((1 - a) (2 D + F / t) + D / t): the
+        LN outputs and the GELU's output kept as 1-byte copies instead,
+        and a 1-byte copy of the attention output beside it
     block (remat=save_dots) = a * T * (2 D + (3 D + F) / t + D)
         the block input, q/k/v, both Dense outputs of width D, fc1 output
     block (remat=full) = a * T * D  (the block input)
@@ -217,11 +220,14 @@ class Kernels:
   """What the step's ops keep (module docstring): ``attention``, ``"flash"``
   or ``"xla"`` (attention_implementation); ``mlp`` and ``norm``, whether
   XLA's ops run them (``"xla"``) or darl_jax/kernels' (anything else);
-  ``cpu``, whether XLA:CPU compiles the step (its fusions keep more)."""
+  ``cpu``, whether XLA:CPU compiles the step (its fusions keep more);
+  ``fp8``, whether the dense layers keep float8 copies of their inputs
+  (``precision='fp8'``, darl_jax/fp8.py)."""
   attention: str = "xla"
   mlp: str = "xla"
   norm: str = "xla"
   cpu: bool = False
+  fp8: bool = False
 
 
 def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
@@ -241,7 +247,14 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
     attention = 4 * heads / t * tokens
   else:
     attention = (4 + a) * heads / t * tokens ** 2
-  return (a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention
+  fp8 = 0.0
+  if kernels.fp8 and not kernels.cpu:   # XLA:CPU: cpu_block_bytes
+    # The dense layers keep 1-byte copies of their inputs: LN1's and LN2's
+    # outputs and the GELU's (which nothing else keeps) in place of their
+    # a-byte ones; the attention output is kept by attention's backward
+    # too, so its copy comes on top.
+    fp8 = tokens * ((1 - a) * (2 * d + f / t) + d / t)
+  return (a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention + fp8
           + cpu_block_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,
                             tensor=tensor, kernels=kernels))
 
@@ -260,6 +273,9 @@ def cpu_block_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int, tensor
     extra += 4 * tokens * f / t
   if kernels.attention != "flash":   # the softmax's float32 exponentials
     extra += 4 * heads / t * tokens ** 2
+  # fp8 (emulated): XLA:CPU multiplies float32 copies of the float8 inputs
+  # and keeps them for the backward pass, so the 1-byte copies save nothing
+  # there (block_activation_bytes leaves its fp8 term out on CPU).
   return extra
 
 
@@ -334,11 +350,12 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   dtype = m.get("dtype", "float32")
   act_bytes = 2 if dtype == "bfloat16" else 4
   tensor = mesh["tensor"]
-  resolved = ops.resolve(config.get("kernels"), dtype)
+  precision = config.get("precision", "bf16")
+  resolved = ops.resolve(config.get("kernels"), dtype, precision)
   kernels = Kernels(
       attention=attention_implementation(resolved.attention, causal=causal, tokens=tokens,
                                          dtype=dtype, backend=backend),
-      mlp=resolved.mlp, norm=resolved.norm, cpu=backend == "cpu")
+      mlp=resolved.mlp, norm=resolved.norm, cpu=backend == "cpu", fp8=precision == "fp8")
   kw = dict(act_bytes=act_bytes, tensor=tensor, kernels=kernels)
   trainer = config.get("trainer", "pretrain")
 

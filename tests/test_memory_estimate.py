@@ -120,6 +120,9 @@ CASES = {
     # The trainers, at the small width.
     "pretrain_mse": lambda: pretrain_config("mse", **SMALL),
     "pretrain_diffusion": lambda: pretrain_config("diffusion", **SMALL),
+    # fp8 dense layers keep 1-byte copies of their inputs (darl_jax/fp8.py).
+    "pretrain_diffusion_fp8": lambda: pretrain_config("diffusion", **SMALL, precision="fp8"),
+    "finetune_fp8": lambda: finetune_config(**SMALL, precision="fp8"),
     "finetune": lambda: finetune_config(**SMALL),
     "linear_probe": lambda: probe_config("linear_probe", **SMALL),
     "attentive_probe": lambda: probe_config("attentive_probe",
@@ -190,3 +193,21 @@ def test_a_gpu_fine_tune_counts_the_probabilities_of_its_full_attention():
   depth, num_heads, tokens = 32, 16, 257
   flash = activations("cudnn")
   assert xla - flash == 8 * depth * ((4 + 2) * num_heads * tokens ** 2 - 4 * num_heads * tokens)
+
+
+def test_fp8_keeps_one_byte_copies_of_the_dense_layers_inputs():
+  """On a GPU the fp8 dense layers keep their inputs as 1-byte copies: the
+  LN outputs and the GELU's output replace their 2-byte ones, the attention
+  output's copy comes beside it (memory.py's block formula)."""
+  c = memory.pretrain_config("H/14", "diffusion")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  params = memory.abstract_params(c)
+
+  def activations(precision):
+    c.precision = precision
+    return memory.estimate(c, mesh, "replicated", 8, params=params,
+                           backend="gpu").activations["none"]
+
+  depth, d, f, tokens = 32, 1280, 5120, 256
+  saved = activations("bf16") - activations("fp8")
+  assert saved == 8 * depth * tokens * ((2 * d + f) - d)
