@@ -292,9 +292,9 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
     if fp is None:
       # Refused before any compile (microbatch_size=-1, by the estimate): the
       # smallest microbatch is compiled for the report's figures.
-      microbatch = config.get("microbatch_size", 0) or config.batch_size
-      if microbatch < 0:
-        microbatch = accumulate.candidates(config.batch_size, built.batch_shards)[-1]
+      microbatch = (accumulate.candidates(config.batch_size, built.batch_shards)[-1]
+                    if fit.automatic(config)
+                    else fit.resolve(config, batch_shards=built.batch_shards).microbatch)
       try:
         compiled, _ = aot.compile_step(built.make_step(config.batch_size // microbatch),
                                        built.abstract_state, built.abstract_batch,

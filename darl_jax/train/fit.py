@@ -367,6 +367,12 @@ def estimator(config, mesh_shape: dict, params=None) -> Callable[[int], float | 
   return estimate_for
 
 
+def automatic(config) -> bool:
+  """Whether ``config.microbatch_size`` asks for the automatic microbatch
+  (-1), which :func:`resolve` chooses from the device's memory."""
+  return config.get("microbatch_size", 0) == -1
+
+
 def resolve(config, *, batch_shards: int = 1, capacity: int | None = None,
             estimate_for: Callable[[int], float | None] | None = None,
             microbatch: int | None = None) -> Resolved:
@@ -387,7 +393,7 @@ def resolve(config, *, batch_shards: int = 1, capacity: int | None = None,
   requested = config.get("microbatch_size", 0)
   if microbatch is not None:
     pass
-  elif requested == -1:
+  elif automatic(config):
     sizes = accumulate.candidates(batch_size, batch_shards)
     microbatch = first_microbatch(estimate_for or (lambda size: None), sizes,
                                   capacity, batch_shards=batch_shards,

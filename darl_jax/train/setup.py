@@ -27,8 +27,8 @@ from darl_jax import ops
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
 from darl_jax import workdir as workdir_lib
-from darl_jax.train import accumulate
 from darl_jax.train import aot
+from darl_jax.train import fit
 from darl_jax.train import state as state_lib
 from darl_jax.train import step as step_lib
 from darl_jax.train.trainer import Context
@@ -207,11 +207,11 @@ def setup(trainer: Trainer, config, *, workdir=None, writer=None, devices=None) 
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding, replicated),
                    out_shardings=(state_shardings, None), donate_argnums=(0,))
 
-  microbatch = config.get("microbatch_size", 0)
-  # -1 (automatic) is decided from the device's memory at start-up
-  # (fit.resolve, in startup.compile_programs), which makes that step.
-  train_step = (None if microbatch == -1 else make_step(
-      accumulate.num_microbatches(config.batch_size, microbatch, batch_shards)))
+  # The step at the config's microbatch (fit.resolve); the automatic one is
+  # decided from the device's memory at start-up (startup.compile_programs,
+  # which makes that step).
+  train_step = (None if fit.automatic(config) else make_step(
+      fit.resolve(config, batch_shards=batch_shards).num_microbatches(config.batch_size)))
   eval_step = jax.jit(step_lib.make_eval_step(trainer, model, base_rng, mesh))
   return Setup(ctx=ctx, model=model, mesh=mesh, batch_sharding=batch_sharding,
                steps_per_epoch=steps_per_epoch, tx=tx, schedule=hyperparams.schedule,

@@ -91,7 +91,7 @@ def compile_programs(built: Setup, config, *, trainer=None, device=None, reuse: 
   capacity = fit.device_capacity(device, config.get("device_memory_gib", 0.0))
   batch_size = config.batch_size
   sizes = accumulate.candidates(batch_size, built.batch_shards)
-  automatic = config.get("microbatch_size", 0) == -1
+  automatic = fit.automatic(config)
   first = resolved.microbatch
 
   directory = executables.cache_dir(config, device.platform) if reuse else None
