@@ -417,7 +417,7 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
   # The projected kernel multiplies in bfloat16: under fp8 the projection
   # is ops.dense's (below) and the kernel takes its q/k/v.
   if (tables is not None and local is not None and _precision != "fp8"
-      and hopper_attention.fits_projected(local, kernel, bias, tables)):
+      and hopper_attention.fits_projected(local, kernel.astype(dtype), bias, tables)):
     return per_shard.over_batch(
         lambda x, kernel, bias, tables: hopper_attention.causal_attention_projected(
             x, kernel, bias, tables, tiling, _interpret()),
