@@ -101,6 +101,8 @@ KEYS_ADDED = {
     # The padded classifier head (train/classifier.py, VTAB's shared steps):
     # 0 = the data's class count, as before.
     "head.num_classes": 0,
+    # The dense layers' precision (darl_jax/fp8.py): bf16 is the model's dtype, as before.
+    "precision": "bf16",
 }
 
 
