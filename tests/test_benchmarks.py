@@ -250,3 +250,51 @@ def test_pipeline_benchmark_compares_with_the_plain_loop(tmp_path):
             "--workers=0,1", "--seconds=0.3", f"--folder={tmp_path / 'jpegs'}")
   rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
   assert rows[1:] == ["plain PIL loop", "pipeline, 0 workers", "pipeline, 1 workers"]
+
+
+_FAKE_SMI = """#!/bin/sh
+# nvidia-smi as card_release_check.py asks it: the used MiB and the holders, from files.
+case "$*" in
+  *--query-gpu*) cat "{state}/used" ;;
+  *--query-compute-apps*) cat "{state}/apps" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("outlives", [False, True])
+def test_card_release_check_reports_what_outlives_the_job(tmp_path, outlives):
+  """A fake nvidia-smi whose card the job takes and hands to a process of
+  its own that frees it 1 s after the job exits (a process winding down),
+  or that keeps it, which the report names by its command line (exit 1)."""
+  state = tmp_path / "state"
+  state.mkdir()
+  (state / "used").write_text("5\n")
+  (state / "apps").write_text("")
+  smi = tmp_path / "bin" / "nvidia-smi"
+  smi.parent.mkdir()
+  smi.write_text(_FAKE_SMI.format(state=state))
+  smi.chmod(0o755)
+  linger = 60 if outlives else 1
+  holder = (f"import time, pathlib; s = pathlib.Path({str(state)!r}); time.sleep({linger}); "
+            f"s.joinpath('apps').write_text(''); s.joinpath('used').write_text('5')")
+  job = (f"import subprocess, sys, pathlib; s = pathlib.Path({str(state)!r}); "
+         f"s.joinpath('used').write_text('70000'); "
+         f"p = subprocess.Popen([sys.executable, '-c', {holder!r}], start_new_session=True); "
+         f"s.joinpath('apps').write_text(f'{{p.pid}}, 70000')")
+  env = dict(os.environ, PATH=f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+  try:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "card_release_check.py"),
+                           "--every=0.1", "--settle=4", "--", sys.executable, "-c", job],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+  finally:
+    apps = (state / "apps").read_text().strip()
+    if apps:
+      os.kill(int(apps.split(",")[0]), 9)
+  if outlives:
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the card still held 70000 MiB (1 processes)" in done.stdout
+    assert "time.sleep(60)" in done.stdout          # the holder, by its command line
+  else:
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"free_seconds_after_exit": ' in done.stdout and '"peak_mib": 70000' in done.stdout
+    assert "the card was free " in done.stdout
