@@ -64,3 +64,18 @@ def test_automatic_microbatch_is_resolved_before_setup_builds_a_step(monkeypatch
   assert len(step_lines) == 1
   assert step_lines[0].endswith(f"{16 // compiled.resolved.microbatch} microbatch(es) of "
                                 f"{compiled.resolved.microbatch}")
+
+
+def test_only_minus_one_asks_for_the_automatic_microbatch():
+  """fit.automatic is the one reading of microbatch_size's -1 (setup,
+  startup and the TPU compile report ask it); an explicit size resolves to
+  itself over the batch."""
+  config = config_lib.pretrain_config()
+  config.batch_size = 32
+  for value, automatic, microbatch in ((-1, True, None), (0, False, 32), (8, False, 8)):
+    config.microbatch_size = value
+    assert fit.automatic(config) is automatic
+    if microbatch is not None:
+      resolved = fit.resolve(config, batch_shards=2)
+      assert resolved.microbatch == microbatch
+      assert resolved.num_microbatches(32) == 32 // microbatch
