@@ -265,7 +265,9 @@ esac
 def test_card_release_check_reports_what_outlives_the_job(tmp_path, outlives):
   """A fake nvidia-smi whose card the job takes and hands to a process of
   its own that frees it 1 s after the job exits (a process winding down),
-  or that keeps it, which the report names by its command line (exit 1)."""
+  or that keeps it, which the report names by its command line (exit 1).
+  The holder writes to no pipe of the test's, so the test waits for the
+  check alone, not for the holder's minute."""
   state = tmp_path / "state"
   state.mkdir()
   (state / "used").write_text("5\n")
@@ -279,7 +281,8 @@ def test_card_release_check_reports_what_outlives_the_job(tmp_path, outlives):
             f"s.joinpath('apps').write_text(''); s.joinpath('used').write_text('5')")
   job = (f"import subprocess, sys, pathlib; s = pathlib.Path({str(state)!r}); "
          f"s.joinpath('used').write_text('70000'); "
-         f"p = subprocess.Popen([sys.executable, '-c', {holder!r}], start_new_session=True); "
+         f"p = subprocess.Popen([sys.executable, '-c', {holder!r}], start_new_session=True, "
+         f"stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
          f"s.joinpath('apps').write_text(f'{{p.pid}}, 70000')")
   env = dict(os.environ, PATH=f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
   try:
