@@ -20,6 +20,12 @@ gradients, e5m2 gradients for the fp8 paths), in TFLOP/s, and an MLP block
 fuse into its neighbours. Run it on the GPU:
 
   python benchmarks/fp8_matmul_bench.py --variant=H/14 --batch=192
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/fp8_matmul_bench.py \\
+      --paths=bf16,fp8 rows --shapes=qkv
+
+Each measurement prints as it lands, with its compile time: fp8 programs can
+spend minutes in GEMM autotuning, so choose ``--shapes`` and ``--paths`` to
+fit one device call.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -119,40 +126,74 @@ def mlp_block(dot):
   return step
 
 
+def measure(fn, *args) -> tuple[float, float]:
+  """(seconds to compile ``fn`` at ``args``, median seconds per call)."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return time.perf_counter() - start, timed(compiled, *args)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--variant", default="H/14", choices=sorted(VARIANTS))
   parser.add_argument("--batch", type=int, default=192)
+  parser.add_argument("--shapes", default="qkv,proj,mlp in,mlp out",
+                      help="comma list of the matmuls to time")
+  parser.add_argument("--paths", default="bf16,fp8 raw,fp8 qdq,fp8 flax,fp8 rows",
+                      help="comma list of the paths to time")
+  parser.add_argument("--block", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time the MLP block")
   args = parser.parse_args()
   width, hidden, tokens = VARIANTS[args.variant]
   m = args.batch * tokens
-  shapes = {"qkv": (width, 3 * width), "proj": (width, width),
-            "mlp in": (width, hidden), "mlp out": (hidden, width)}
+  all_shapes = {"qkv": (width, 3 * width), "proj": (width, width),
+                "mlp in": (width, hidden), "mlp out": (hidden, width)}
+  chosen = args.paths.split(",")
+  known = ["fp8 raw", *paths()]
+  for flag, names, valid in (("--shapes", args.shapes.split(","), list(all_shapes)),
+                             ("--paths", chosen, known)):
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+      parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(valid)}")
+  shapes = {name: all_shapes[name] for name in args.shapes.split(",")}
+  dots = {label: dot for label, dot in paths().items() if label in chosen}
   key = jax.random.PRNGKey(0)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "variant": args.variant, "rows": m, "matmul": {}, "mlp_block": {}}
-  print(f"{results['device']}, jax {jax.__version__}, {args.variant}, M = {m}")
+             "variant": args.variant, "rows": m, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+             "matmul": {}, "mlp_block": {}}
+  print(f"{results['device']}, jax {jax.__version__}, {args.variant}, M = {m}, "
+        f"XLA_FLAGS={results['xla_flags']!r}", flush=True)
+
+  def report(row, label, compile_s, value, unit):
+    # One line per measurement as it lands: fp8 programs can take minutes
+    # to compile (GEMM autotuning), and a run cut short still reports.
+    row[label] = value
+    print(f"  {label:18s} {value:8.1f} {unit}  (compile {compile_s:.1f} s)", flush=True)
+
   for name, (k, n) in shapes.items():
+    print(f"{name} {m}x{k}x{n}, TFLOP/s:", flush=True)
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
     w = (jax.random.normal(key, (k, n), jnp.bfloat16) / np.sqrt(k)).astype(jnp.bfloat16)
     dy = jax.random.normal(key, (m, n), jnp.bfloat16)
     flop = 2 * m * k * n
-    row = {"fp8 raw fwd": flop / timed(jax.jit(
-        lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16)),
-        x.astype(E4M3), w.astype(E4M3)) / 1e12}
-    for label, dot in paths().items():
-      row[f"{label} fwd"] = flop / timed(jax.jit(dot), x, w) / 1e12
-      row[f"{label} fwd+bwd"] = 3 * flop / timed(jax.jit(fwd_bwd(dot)), x, w, dy) / 1e12
-    results["matmul"][name] = row
-    print(f"{name:8s} {m}x{k}x{n}: " + ", ".join(f"{k_} {v:.0f}" for k_, v in row.items()),
-          flush=True)
-  x = jax.random.normal(key, (m, width), jnp.bfloat16)
-  w1 = (jax.random.normal(key, (width, hidden)) / np.sqrt(width)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(key, (hidden, width)) / np.sqrt(hidden)).astype(jnp.bfloat16)
-  for label, dot in paths().items():
-    ms = 1e3 * timed(jax.jit(mlp_block(dot)), x, w1, w2, x)
-    results["mlp_block"][label] = ms
-    print(f"MLP block fwd+bwd, {label}: {ms:.3f} ms", flush=True)
+    row = results["matmul"][name] = {}
+    if "fp8 raw" in chosen:
+      c, t = measure(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16),
+                     x.astype(E4M3), w.astype(E4M3))
+      report(row, "fp8 raw fwd", c, flop / t / 1e12, "TFLOP/s")
+    for label, dot in dots.items():
+      c, t = measure(dot, x, w)
+      report(row, f"{label} fwd", c, flop / t / 1e12, "TFLOP/s")
+      c, t = measure(fwd_bwd(dot), x, w, dy)
+      report(row, f"{label} fwd+bwd", c, 3 * flop / t / 1e12, "TFLOP/s")
+  if args.block:
+    print("MLP block (norm, fc1, GELU, fc2) fwd+bwd, ms:", flush=True)
+    x = jax.random.normal(key, (m, width), jnp.bfloat16)
+    w1 = (jax.random.normal(key, (width, hidden)) / np.sqrt(width)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(key, (hidden, width)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    for label, dot in dots.items():
+      c, t = measure(mlp_block(dot), x, w1, w2, x)
+      report(results["mlp_block"], label, c, 1e3 * t, "ms")
   print(json.dumps(results))
 
 

@@ -1,5 +1,6 @@
 """The benchmark scripts still run (CPU smoke runs; their numbers are for GPUs)."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -34,6 +35,21 @@ def test_compile_benchmark_prints_both_forms_of_a_case():
   assert [(r[1].strip(), r[2].strip()) for r in rows] == [
       ("mu/16:diffusion:2", "unrolled"), ("mu/16:diffusion:2", "scanned")]
   assert all(float(r[7]) > 0 for r in rows)    # ms per step
+
+
+def test_fp8_matmul_bench_prints_each_measurement_as_it_lands():
+  out = run("fp8_matmul_bench.py", "--variant=B/16", "--batch=1", "--shapes=proj",
+            "--paths=bf16,fp8 raw,fp8 rows", "--no-block")
+  lines = [line.split() for line in out.splitlines() if "(compile" in line]
+  assert [" ".join(l[:-5]) for l in lines] == [
+      "fp8 raw fwd", "bf16 fwd", "bf16 fwd+bwd", "fp8 rows fwd", "fp8 rows fwd+bwd"]
+  result = json.loads(out.splitlines()[-1])
+  assert list(result["matmul"]["proj"]) == [" ".join(l[:-5]) for l in lines]
+  assert all(v > 0 for v in result["matmul"]["proj"].values())
+  assert result["mlp_block"] == {}
+  bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_matmul_bench.py"),
+                        "--paths=bf16,fp8 fast"], capture_output=True, text=True, cwd=ROOT)
+  assert bad.returncode == 2 and "--paths: unknown fp8 fast; choose from" in bad.stderr
 
 
 def test_pretrain_benchmark_target_status():
