@@ -71,7 +71,10 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--steps", type=int, default=15)
   parser.add_argument("--set", action="append", default=[],
                       help="config override key=value, for every row")
+  parser.add_argument("--allocator", default="cli", choices=("cli", "bfc"),
+                      help="the CLI's GPU pool (cuda_async, 92%%) or XLA's BFC pool (75%%)")
   args = parser.parse_args(argv)
+  bench.use_allocator(args.allocator)
   forms = args.forms.split(",")
   unknown = sorted(set(forms) - set(FORMS))
   if unknown:

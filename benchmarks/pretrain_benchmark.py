@@ -47,10 +47,21 @@ from darl_jax.models import darl as darl_lib  # noqa: E402
 from darl_jax.train import loop  # noqa: E402
 from darl_jax.train.trainers import pretrain  # noqa: E402
 
-# The fastest batch that fits an 80 GB H100 for each model (benchmarks/RESULTS.md);
+# The fastest batch that fits each model on one card (benchmarks/RESULTS.md);
 # a case that does not fit is reported and skipped.
 DEFAULT_CASES = ("B/16:mse:1024,B/16:diffusion:1024,L/16:mse:256,L/16:diffusion:256,"
                  "H/14:mse:192,H/14:diffusion:192")
+
+
+def use_allocator(name: str) -> None:
+  """Starts JAX with the CLI's GPU allocator and pool (``cli``: CUDA's
+  stream-ordered pool at ``main.GPU_MEMORY_FRACTION`` of the card, what a
+  training run gets) or with XLA's own (``bfc``: its BFC pool at 75%).
+  Call before JAX first touches the GPU; the environment's own settings win
+  either way."""
+  if name == "cli":
+    from darl_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+    main_lib.default_gpu_allocator()
 
 
 def build(variant, objective, batch, overrides):
@@ -266,6 +277,8 @@ def main():
                       help="timm reference batch sizes, comma list; 0 skips the reference")
   parser.add_argument("--set", action="append", default=[],
                       help="config override key=value (e.g. model.scan_layers=true)")
+  parser.add_argument("--allocator", default="cli", choices=("cli", "bfc"),
+                      help="the CLI's GPU pool (cuda_async, 92%%) or XLA's BFC pool (75%%)")
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--json", default="", help="also write the rows to this file")
   parser.add_argument("--compile_cache", default="",
@@ -280,6 +293,7 @@ def main():
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+  use_allocator(args.allocator)
   # timm first: JAX takes most of the card's memory on first use and keeps it
   # in its pool, so a reference run after the JAX cases could not allocate.
   timm_rows = []

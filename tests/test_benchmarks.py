@@ -52,6 +52,27 @@ def test_fp8_matmul_bench_prints_each_measurement_as_it_lands():
   assert bad.returncode == 2 and "--paths: unknown fp8 fast; choose from" in bad.stderr
 
 
+def test_step_benchmarks_start_jax_with_the_clis_gpu_pool(monkeypatch):
+  """The step is timed in the pool a training run gets (or XLA's, asked
+  for); the environment's own setting wins."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import pretrain_benchmark as bench
+  from darl_jax import main as main_lib
+  for name in ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+               "JAX_PJRT_CLIENT_CREATE_OPTIONS"):
+    monkeypatch.delenv(name, raising=False)
+  bench.use_allocator("bfc")
+  assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+  bench.use_allocator("cli")
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  bench.use_allocator("cli")
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == main_lib.GPU_MEMORY_FRACTION
+
+
 def test_pretrain_benchmark_target_status():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import pretrain_benchmark as bench
