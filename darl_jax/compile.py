@@ -347,7 +347,8 @@ def compile_for_topology(config, devices, topology: str = "", save: str = "") ->
   return Report(topology=topology, chips=len(devices), device_kind=device.device_kind,
                 mesh=mesh, batch_size=config.batch_size, microbatch_size=microbatch,
                 hbm=hbm, train=fp, eval=eval_fp,
-                estimate=fit.describe_estimate(config, mesh, microbatch),
+                estimate=fit.describe_estimate(config, mesh, microbatch,
+                                               params=built.abstract_state["params"]),
                 model_flops=model_flops, xla_seconds=seconds, fits=fits,
                 message=message, compile_seconds=compile_seconds)
 

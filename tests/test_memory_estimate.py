@@ -211,3 +211,24 @@ def test_fp8_keeps_one_byte_copies_of_the_dense_layers_inputs():
   depth, d, f, tokens = 32, 1280, 5120, 256
   saved = activations("bf16") - activations("fp8")
   assert saved == 8 * depth * tokens * ((2 * d + f) - d)
+
+
+def test_the_tpu_report_estimates_every_trainer_from_its_parameters():
+  """darl_jax/compile.py's report gives memory.py's estimate beside the
+  compiled figure for a fine-tune too, from the run's parameter tree (the
+  figure the start-up compares), not only for pretraining."""
+  config = finetune_config(**SMALL)
+  trainer = trainers_lib.get_trainer(config.trainer)(config)
+  built = setup_lib.setup(trainer, config)
+  mesh, params = dict(built.mesh.shape), built.abstract_state["params"]
+  assert fit.describe_estimate(config, mesh, 8, backend="cpu") is None  # no tree: no guess
+  expected = fit.estimate_bytes(config, mesh, 8, num_microbatches=2, params=params,
+                                backend="cpu")
+  described = fit.describe_estimate(config, mesh, 8, params=params, backend="cpu")
+  assert described == f"{expected / fit.GIB:.2f} GiB"
+  # Pretraining reads the same figure from its config alone or from its tree.
+  config = pretrain_config("diffusion", **SMALL)
+  built = setup_lib.setup(trainers_lib.get_trainer(config.trainer)(config), config)
+  assert fit.describe_estimate(config, dict(built.mesh.shape), 16, backend="cpu") == (
+      fit.describe_estimate(config, dict(built.mesh.shape), 16, backend="cpu",
+                            params=built.abstract_state["params"]))

@@ -324,19 +324,20 @@ def estimate_bytes(config, mesh_shape: dict, microbatch: int, *, num_microbatche
     return None
 
 
-def describe_estimate(config, mesh_shape: dict, microbatch: int,
+def describe_estimate(config, mesh_shape: dict, microbatch: int, *, params=None,
                       backend: str = "tpu") -> str | None:
-  """darl_jax/memory.py's analytic estimate of a pretraining step at
+  """darl_jax/memory.py's analytic estimate of the train step at
   ``microbatch`` examples (of ``config.batch_size`` per step), for the TPU
   compile report beside the compiled figure (darl_jax/compile.py, which
-  compiles for ``backend`` from a host whose own backend is the CPU); None
-  for other trainers, whose parameter trees the report does not pass (the
-  start-up's log line estimates every trainer from the run's own)."""
-  if config.get("trainer") != "pretrain" or "decoder" not in config:
+  compiles for ``backend`` from a host whose own backend is the CPU).
+  ``params``: the run's parameter tree, which every trainer but pretraining
+  must pass (its head, and what it freezes); None where there is no
+  estimate."""
+  if params is None and (config.get("trainer") != "pretrain" or "decoder" not in config):
     return None
   total = estimate_bytes(config, mesh_shape, microbatch,
                          num_microbatches=max(config.batch_size // microbatch, 1),
-                         backend=backend)
+                         params=params, backend=backend)
   return None if total is None else f"{total / GIB:.2f} GiB"
 
 
