@@ -45,6 +45,7 @@ ROWS = [  # (config, topology, overrides)
     ("experiments/vit_h14_diff.py", "v5e:8x8", ("--config.mesh.fsdp=8",
                                                  "--config.microbatch_size=-1")),
     # Fine-tuning at the paper's batch (a random backbone: the program is the same).
+    ("experiments/finetune_in1k.py:variant=B/16", "v5p:4x4x4", ()),
     ("experiments/finetune_in1k.py:variant=L/16", "v5p:4x4x4", ()),
     ("experiments/finetune_in1k.py:variant=H/14", "v5p:4x4x4", ("--config.sharding=fsdp",
                                                                "--config.mesh.data=-1",

@@ -107,6 +107,14 @@ updated), and with an EMA two whole copies more (the old parameters and
 the update's direction, held for every leaf at once); the accelerators
 update in place.
 
+XLA:TPU
+-------
+For full attention run by XLA (a fine-tune's, a classifier's) the TPU
+compiler keeps one float32 ``[H / t, T, T]`` more per block than the count
+above (the logits beside the probabilities); for causal attention it does
+not. Counted from the TPU compile table's fine-tuning rows (docs/TPU.md),
+which it brings within 10% where they were 12-24% low.
+
 The CLI's table plans with 1.4x the ``none`` column and 1.1x the ``full``
 column, the margin XLA's GPU buffer assignment needed beyond the block
 formula with XLA's LayerNorm and MLP (docs/SCALING.md).
@@ -221,13 +229,15 @@ class Kernels:
   or ``"xla"`` (attention_implementation); ``mlp`` and ``norm``, whether
   XLA's ops run them (``"xla"``) or darl_jax/kernels' (anything else);
   ``cpu``, whether XLA:CPU compiles the step (its fusions keep more);
-  ``fp8``, whether the dense layers keep float8 copies of their inputs
-  (``precision='fp8'``, darl_jax/fp8.py)."""
+  ``tpu``, whether XLA:TPU does (tpu_block_bytes); ``fp8``, whether the
+  dense layers keep float8 copies of their inputs (``precision='fp8'``,
+  darl_jax/fp8.py)."""
   attention: str = "xla"
   mlp: str = "xla"
   norm: str = "xla"
   cpu: bool = False
   fp8: bool = False
+  tpu: bool = False
 
 
 def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
@@ -277,6 +287,15 @@ def cpu_block_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int, tensor
   # and keeps them for the backward pass, so the 1-byte copies save nothing
   # there (block_activation_bytes leaves its fp8 term out on CPU).
   return extra
+
+
+def tpu_block_bytes(*, tokens: int, heads: int, tensor: int, causal: bool,
+                    kernels: Kernels) -> float:
+  """What XLA:TPU keeps of one block beyond ``block_activation_bytes``'s
+  count (module docstring, "XLA:TPU"); 0 for other backends."""
+  if not kernels.tpu or causal or kernels.attention == "flash":
+    return 0.0
+  return 4 * heads / tensor * tokens ** 2
 
 
 def _model_dims(config) -> dict:
@@ -355,7 +374,8 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
   kernels = Kernels(
       attention=attention_implementation(resolved.attention, causal=causal, tokens=tokens,
                                          dtype=dtype, backend=backend),
-      mlp=resolved.mlp, norm=resolved.norm, cpu=backend == "cpu", fp8=precision == "fp8")
+      mlp=resolved.mlp, norm=resolved.norm, cpu=backend == "cpu", fp8=precision == "fp8",
+      tpu=backend == "tpu")
   kw = dict(act_bytes=act_bytes, tensor=tensor, kernels=kernels)
   trainer = config.get("trainer", "pretrain")
 
@@ -364,8 +384,11 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
     decoder = decoder_bytes(config, width=width, heads=heads, patch_dim=patch * patch * channels,
                             **kw)
 
+  tpu_extra = tpu_block_bytes(tokens=tokens, heads=heads, tensor=tensor, causal=causal,
+                              kernels=kernels)
   block = lambda remat: block_activation_bytes(
-      tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw)
+      tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw) + (
+          tpu_extra if remat == "none" else 0.0)
   one_block = block("none")
   pixels = m.image_size * m.image_size * channels
   outside = outside_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,

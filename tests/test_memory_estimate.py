@@ -195,6 +195,30 @@ def test_a_gpu_fine_tune_counts_the_probabilities_of_its_full_attention():
   assert xla - flash == 8 * depth * ((4 + 2) * num_heads * tokens ** 2 - 4 * num_heads * tokens)
 
 
+def test_a_tpu_fine_tune_counts_the_logits_of_its_full_attention():
+  """XLA:TPU keeps one float32 [H, T, T] per block more than the GPU count
+  for full attention (memory.py, "XLA:TPU"; docs/TPU.md's fine-tuning rows),
+  none for causal attention; with rematerialised blocks, only the block
+  being recomputed keeps it."""
+  c = runpy.run_path(str(ROOT / "experiments" / "finetune_in1k.py"))["get_config"](
+      "variant=B/16")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  backbone, patch = vit_lib.vit_from_config(c.model)
+  model = heads.Classifier(backbone=backbone, patch_size=patch, num_classes=1000)
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             jnp.zeros((1, 224, 224, 3))))["params"]
+  tpu, gpu = (memory.estimate(c, mesh, "replicated", 8, params=params, backend=b)
+              for b in ("tpu", "gpu"))
+  depth, num_heads, tokens = 12, 12, 197
+  logits = 8 * 4 * num_heads * tokens ** 2        # one block's, 8 examples
+  assert tpu.activations["none"] - gpu.activations["none"] == depth * logits
+  assert tpu.activations["full"] - gpu.activations["full"] == logits
+  # Causal pretraining with XLA's attention on both: the same count.
+  causal = memory.pretrain_config("B/16", "diffusion", kernels={"attention": "xla"})
+  assert (memory.estimate(causal, mesh, "replicated", 8, backend="tpu").activations ==
+          memory.estimate(causal, mesh, "replicated", 8, backend="gpu").activations)
+
+
 def test_fp8_keeps_one_byte_copies_of_the_dense_layers_inputs():
   """On a GPU the fp8 dense layers keep their inputs as 1-byte copies: the
   LN outputs and the GELU's output replace their 2-byte ones, the attention
