@@ -50,6 +50,11 @@ ROWS = [  # (config, topology, overrides)
     ("experiments/finetune_in1k.py:variant=H/14", "v5p:4x4x4", ("--config.sharding=fsdp",
                                                                "--config.mesh.data=-1",
                                                                "--config.mesh.fsdp=4")),
+    # The paper's single linear probe per block (a grid's held-out rows need
+    # an indexed source; the compile's synthetic images are not one).
+    ("experiments/linear_probe_in1k.py:variant=H/14", "v5p:4x4x4", (
+        "--config.probe.holdout_size=0", "--config.probe.learning_rates=(0.1,)",
+        '--config.probe.poolings=("mean",)')),
 ]
 # The diffusion pretraining rows at the paper's batch in one pass, scanned
 # (the MSE programs are the same backbone without the decoder: smaller, and
