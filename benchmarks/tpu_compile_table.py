@@ -52,9 +52,9 @@ ROWS = [  # (config, topology, overrides)
                                                                "--config.mesh.fsdp=4")),
     # The paper's single linear probe per block (a grid's held-out rows need
     # an indexed source; the compile's synthetic images are not one).
-    ("experiments/linear_probe_in1k.py:variant=H/14", "v5p:4x4x4", (
+    *[(f"experiments/linear_probe_in1k.py:variant={variant}", "v5p:4x4x4", (
         "--config.probe.holdout_size=0", "--config.probe.learning_rates=(0.1,)",
-        '--config.probe.poolings=("mean",)')),
+        '--config.probe.poolings=("mean",)')) for variant in ("B/16", "L/16", "H/14")],
 ]
 # The diffusion pretraining rows at the paper's batch in one pass, scanned
 # (the MSE programs are the same backbone without the decoder: smaller, and
