@@ -21,7 +21,7 @@ fuse into its neighbours. Run it on the GPU:
 
   python benchmarks/fp8_matmul_bench.py --variant=H/14 --batch=192
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/fp8_matmul_bench.py \\
-      --paths=bf16,fp8 rows --shapes=qkv
+      --paths="bf16,fp8 rows" --shapes=qkv
 
 Each measurement prints as it lands, with its compile time: fp8 programs can
 spend minutes in GEMM autotuning, so choose ``--shapes`` and ``--paths`` to
