@@ -112,8 +112,8 @@ XLA:TPU
 For full attention run by XLA (a fine-tune's, a classifier's) the TPU
 compiler keeps one float32 ``[H / t, T, T]`` more per block than the count
 above (the logits beside the probabilities); for causal attention it does
-not. Counted from the TPU compile table's fine-tuning rows (docs/TPU.md),
-which it brings within 10% where they were 12-24% low.
+not. Read off the TPU compile table's fine-tuning rows (docs/TPU.md has
+them beside the estimate).
 
 The CLI's table plans with 1.4x the ``none`` column and 1.1x the ``full``
 column, the margin XLA's GPU buffer assignment needed beyond the block
@@ -242,10 +242,11 @@ class Kernels:
 
 def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
                            act_bytes: int, tensor: int, remat: str,
-                           kernels: Kernels = Kernels()) -> float:
+                           kernels: Kernels = Kernels(), causal: bool = True) -> float:
   """Bytes one example keeps for the backward pass of one block (module
-  docstring): the accelerators' count, and XLA:CPU's beyond it
-  (``cpu_block_bytes``) where ``kernels.cpu``."""
+  docstring): the accelerators' count, and XLA:CPU's or XLA:TPU's beyond it
+  (``cpu_block_bytes``, ``tpu_block_bytes``) where ``kernels`` names them;
+  ``causal``, whether the block's attention is."""
   t, a, d, f = tensor, act_bytes, width, mlp_dim
   if remat == "full":
     return a * tokens * d
@@ -266,7 +267,9 @@ def block_activation_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int,
     fp8 = tokens * ((1 - a) * (2 * d + f / t) + d / t)
   return (a * tokens * (4 * d + (4 * d + 2 * f) / t) + attention + fp8
           + cpu_block_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,
-                            tensor=tensor, kernels=kernels))
+                            tensor=tensor, kernels=kernels)
+          + tpu_block_bytes(tokens=tokens, heads=heads, tensor=tensor, causal=causal,
+                            kernels=kernels))
 
 
 def cpu_block_bytes(*, tokens: int, width: int, mlp_dim: int, heads: int, tensor: int,
@@ -384,11 +387,9 @@ def estimate(config, mesh: dict[str, int], sharding: str, batch_size: int,
     decoder = decoder_bytes(config, width=width, heads=heads, patch_dim=patch * patch * channels,
                             **kw)
 
-  tpu_extra = tpu_block_bytes(tokens=tokens, heads=heads, tensor=tensor, causal=causal,
-                              kernels=kernels)
   block = lambda remat: block_activation_bytes(
-      tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, **kw) + (
-          tpu_extra if remat == "none" else 0.0)
+      tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads, remat=remat, causal=causal,
+      **kw)
   one_block = block("none")
   pixels = m.image_size * m.image_size * channels
   outside = outside_bytes(tokens=tokens, width=width, mlp_dim=mlp_dim, heads=heads,
