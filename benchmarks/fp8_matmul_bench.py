@@ -148,15 +148,15 @@ def main():
   m = args.batch * tokens
   all_shapes = {"qkv": (width, 3 * width), "proj": (width, width),
                 "mlp in": (width, hidden), "mlp out": (hidden, width)}
-  chosen = args.paths.split(",")
-  known = ["fp8 raw", *paths()]
-  for flag, names, valid in (("--shapes", args.shapes.split(","), list(all_shapes)),
-                             ("--paths", chosen, known)):
+  every_dot = paths()
+  chosen_shapes, chosen = args.shapes.split(","), args.paths.split(",")
+  for flag, names, valid in (("--shapes", chosen_shapes, list(all_shapes)),
+                             ("--paths", chosen, ["fp8 raw", *every_dot])):
     unknown = [n for n in names if n not in valid]
     if unknown:
       parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(valid)}")
-  shapes = {name: all_shapes[name] for name in args.shapes.split(",")}
-  dots = {label: dot for label, dot in paths().items() if label in chosen}
+  shapes = {name: all_shapes[name] for name in chosen_shapes}
+  dots = {label: dot for label, dot in every_dot.items() if label in chosen}
   key = jax.random.PRNGKey(0)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "variant": args.variant, "rows": m, "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -171,17 +171,23 @@ def test_attention_follows_the_ops_dispatch():
   assert impl("xla", causal=True, tokens=256, **gpu) == "xla"
 
 
+def finetune_in1k_params(variant: str):
+  """experiments/finetune_in1k.py at ``variant`` and its classifier's
+  parameter shapes (nothing allocated)."""
+  c = runpy.run_path(str(ROOT / "experiments" / "finetune_in1k.py"))["get_config"](
+      f"variant={variant}")
+  backbone, patch = vit_lib.vit_from_config(c.model)
+  model = heads.Classifier(backbone=backbone, patch_size=patch, num_classes=1000)
+  image = jnp.zeros((1, 224, 224, 3))
+  return c, jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), image))["params"]
+
+
 def test_a_gpu_fine_tune_counts_the_probabilities_of_its_full_attention():
   """experiments/finetune_in1k.py at H/14: full attention over SOS and 256
   patches, 257 tokens, which no fused kernel takes: XLA's attention, whose
   probabilities the estimate counts whatever kernels.attention asks."""
-  c = runpy.run_path(str(ROOT / "experiments" / "finetune_in1k.py"))["get_config"](
-      "variant=H/14")
+  c, params = finetune_in1k_params("H/14")
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-  backbone, patch = vit_lib.vit_from_config(c.model)
-  model = heads.Classifier(backbone=backbone, patch_size=patch, num_classes=1000)
-  image = jnp.zeros((1, 224, 224, 3))
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), image))["params"]
 
   def activations(attention):
     c.kernels.attention = attention
@@ -200,13 +206,8 @@ def test_a_tpu_fine_tune_counts_the_logits_of_its_full_attention():
   for full attention (memory.py, "XLA:TPU"; docs/TPU.md's fine-tuning rows),
   none for causal attention; with rematerialised blocks, only the block
   being recomputed keeps it."""
-  c = runpy.run_path(str(ROOT / "experiments" / "finetune_in1k.py"))["get_config"](
-      "variant=B/16")
+  c, params = finetune_in1k_params("B/16")
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-  backbone, patch = vit_lib.vit_from_config(c.model)
-  model = heads.Classifier(backbone=backbone, patch_size=patch, num_classes=1000)
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             jnp.zeros((1, 224, 224, 3))))["params"]
   tpu, gpu = (memory.estimate(c, mesh, "replicated", 8, params=params, backend=b)
               for b in ("tpu", "gpu"))
   depth, num_heads, tokens = 12, 12, 197
