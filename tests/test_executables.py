@@ -66,6 +66,32 @@ def test_a_saved_program_loads_without_compiling_and_runs_the_same(tmp_path, mon
   assert not list(tmp_path.glob(".*.tmp"))            # written atomically
 
 
+def test_a_program_with_an_array_it_mutates_inside_itself_loads(tmp_path, monkeypatch):
+  # The Hopper attention kernels' backward pass writes into a jax.new_ref:
+  # the train step's trace carries the effect, its compiled program does
+  # not. Such a step was saved and then refused at every load (H100,
+  # 2026-12-07: "the program has effects"), so a warm start compiled it.
+  def step(s, x):
+    ref = jax.new_ref(x)
+    ref[...] = ref[...] * 3.0
+    return s + ref[...].sum(), {"loss": x.mean()}
+
+  def program():
+    args = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    return aot.Program("ref step", jax.jit(step, donate_argnums=(0,)), args,
+                       tmp_path / "k1.bin", info={})
+
+  counter = CompileCounter(monkeypatch)
+  first = program()
+  aot.compile_all([first])
+  assert first.traced.jaxpr.effects          # what the load used to refuse
+  second = program()
+  aot.compile_all([second])
+  assert counter.calls == 1 and "load" in second.times, second.times
+  x = jnp.arange(12.0).reshape(4, 3)
+  assert float(second.compiled(jnp.zeros(()), x)[0]) == float(3 * x.sum())
+
+
 def test_a_broken_file_is_removed_and_the_program_compiled(tmp_path, monkeypatch, caplog):
   (tmp_path / "k1.bin").write_bytes(b"not an executable")
   counter = CompileCounter(monkeypatch)

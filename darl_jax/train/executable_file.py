@@ -272,6 +272,17 @@ def describe(compiled) -> tuple[dict, bytes]:
   return data, bytes(executable.client.serialize_executable(executable))
 
 
+def runtime_effects(closed_jaxpr) -> list:
+  """The effects of a traced program that its compiled form keeps: all but
+  the mutable arrays it creates and uses inside itself (``jax.new_ref`` in
+  the attention kernels' backward pass), which lowering turns into plain
+  values, so the compiled program has none of them (:func:`describe` saw
+  it). Any other effect needs the runtime support a saved file lacks."""
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  return [e for e in closed_jaxpr.effects
+          if not isinstance(e, core.InternalMutableArrayEffect)]
+
+
 def rebuild(data: dict, payload: bytes, traced):
   """The ``jax.stages.Compiled`` of :func:`describe`'s ``(data, payload)``,
   with the avals, argument info and in/out trees of ``traced`` (this run's
@@ -282,7 +293,7 @@ def rebuild(data: dict, payload: bytes, traced):
   backend = jax.devices()[0].client
   if backend.platform != data["platform"]:
     raise ValueError(f"saved for {data['platform']}, not {backend.platform}")
-  if traced.jaxpr.effects:
+  if runtime_effects(traced.jaxpr):
     raise ValueError("the program has effects")
   devices = {d.id: d for d in backend.devices()}
   closed = traced.jaxpr
