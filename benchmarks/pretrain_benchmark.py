@@ -294,6 +294,9 @@ def main():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
   use_allocator(args.allocator)
+  if "precision=fp8" in args.set:   # the CLI's GEMM choice for fp8 (main.precision_xla_flags)
+    from darl_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+    main_lib.precision_xla_flags("fp8")
   # timm first: JAX takes most of the card's memory on first use and keeps it
   # in its pool, so a reference run after the JAX cases could not allocate.
   timm_rows = []

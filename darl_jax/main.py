@@ -93,6 +93,22 @@ def default_gpu_allocator() -> None:
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
 
 
+def precision_xla_flags(precision: str) -> None:
+  """Under ``precision='fp8'``, XLA's GPU GEMMs go to cuBLAS, not Triton
+  (``--xla_gpu_enable_triton_gemm=false`` added to ``XLA_FLAGS``), unless
+  ``XLA_FLAGS`` already says which. With Triton on, XLA autotunes every fp8
+  GEMM against Triton's kernels: on an H100 one H/14 fp8 matmul did not
+  finish compiling in 60 s, the fp8 H/14 step not in 170 s, and the kernels
+  it chose ran slower than cuBLAS's (benchmarks/RESULTS.md, fp8). bf16
+  steps ran at the same speed either way, so nothing else changes. Call
+  before JAX first compiles; only the GPU reads the flag."""
+  if precision != "fp8":
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_enable_triton_gemm" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
+
+
 def _quiet_library_logs():
   """Orbax logs every save step at INFO through absl; keep its warnings only.
   An interrupt (Ctrl-C, SIGTERM) that lands while Orbax waits for a save makes
@@ -141,6 +157,7 @@ def main(argv):
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   _quiet_library_logs()
   default_gpu_allocator()
+  precision_xla_flags(config.get("precision", "bf16"))
   try:
     # Multi-host jobs connect here, before anything touches a device.
     distributed.initialize()

@@ -217,3 +217,19 @@ def test_config_names_the_valid_precisions():
   with pytest.raises(config_lib.ConfigError,
                      match="config.precision must be one of bf16, fp8, got 'fp16'"):
     config_lib.validate(c)
+
+
+def test_fp8_runs_take_cublas_gemms_unless_xla_flags_say_otherwise(monkeypatch):
+  from darl_jax import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  main.precision_xla_flags("bf16")
+  assert "triton_gemm" not in main.os.environ["XLA_FLAGS"]
+  main.precision_xla_flags("fp8")
+  assert main.os.environ["XLA_FLAGS"] == (
+      "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false")
+  monkeypatch.delenv("XLA_FLAGS")
+  main.precision_xla_flags("fp8")
+  assert main.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")   # the user's choice
+  main.precision_xla_flags("fp8")
+  assert main.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
