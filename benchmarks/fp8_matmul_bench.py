@@ -13,6 +13,10 @@ times, on one device:
 * ``fp8 rows``: darl_jax/fp8.py's ``dense``, what ``config.precision='fp8'``
   runs: scales from the inputs themselves, one per row of ``x`` (current
   scaling), the scales applied to the product's output.
+* ``fp8 delayed``: darl_jax/fp8.py's ``dense_delayed``: the input's and the
+  gradient's power-of-two scales from an amax history, the kernel's from
+  itself; its history's record (the step's largest magnitudes) is computed
+  and returned, as a train step would.
 
 Each forward alone, then forward and backward (the input's and the kernel's
 gradients, e5m2 gradients for the fp8 paths), in TFLOP/s, and an MLP block
@@ -85,6 +89,8 @@ qdq_dot.defvjp(_qdq_fwd, _qdq_bwd)
 
 
 def paths():
+  """label -> ``dot(x, w, history)`` (the history: fp8.new_history's shape,
+  read by ``fp8 delayed`` only; the others' history gradient is zeros)."""
   from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
   dims = (((1,), (0,)), ((), ()))
   one = jnp.ones((1,), jnp.float32)
@@ -98,30 +104,37 @@ def paths():
 
   scale = jnp.float32(1.0)
   return {
-      "bf16": lambda x, w: x @ w,
-      "fp8 qdq": lambda x, w: qdq_dot(x, w, scale, scale, scale),
-      "fp8 flax": flax_dot,
-      "fp8 rows": lambda x, w: fp8.dense(x, w, 1, jnp.bfloat16),
+      "bf16": lambda x, w, h: x @ w,
+      "fp8 qdq": lambda x, w, h: qdq_dot(x, w, scale, scale, scale),
+      "fp8 flax": lambda x, w, h: flax_dot(x, w),
+      "fp8 rows": lambda x, w, h: fp8.dense(x, w, 1, jnp.bfloat16),
+      "fp8 delayed": lambda x, w, h: fp8.dense_delayed(x, w, h, 1, jnp.bfloat16),
   }
 
 
+def history():
+  """A history as a train step would hold it: N(0, 1) inputs and small
+  gradients seen before."""
+  return fp8.new_history().at[0, :].set(4.5).at[1, :].set(1e-3)
+
+
 def fwd_bwd(dot):
-  def step(x, w, dy):
-    y, vjp = jax.vjp(dot, x, w)
+  def step(x, w, h, dy):
+    y, vjp = jax.vjp(dot, x, w, h)
     return y, vjp(dy)
   return step
 
 
 def mlp_block(dot):
-  def block(x, w1, w2):
+  def block(x, w1, w2, h1, h2):
     mean = jnp.mean(x.astype(jnp.float32), -1, keepdims=True)
     var = jnp.var(x.astype(jnp.float32), -1, keepdims=True)
     h = ((x - mean) * jax.lax.rsqrt(var + 1e-6)).astype(jnp.bfloat16)
-    h = jax.nn.gelu(dot(h, w1))
-    return x + dot(h, w2)
+    h = jax.nn.gelu(dot(h, w1, h1))
+    return x + dot(h, w2, h2)
 
-  def step(x, w1, w2, dy):
-    y, vjp = jax.vjp(block, x, w1, w2)
+  def step(x, w1, w2, h1, h2, dy):
+    y, vjp = jax.vjp(block, x, w1, w2, h1, h2)
     return y, vjp(dy)
   return step
 
@@ -139,7 +152,7 @@ def main():
   parser.add_argument("--batch", type=int, default=192)
   parser.add_argument("--shapes", default="qkv,proj,mlp in,mlp out",
                       help="comma list of the matmuls to time")
-  parser.add_argument("--paths", default="bf16,fp8 raw,fp8 qdq,fp8 flax,fp8 rows",
+  parser.add_argument("--paths", default="bf16,fp8 raw,fp8 qdq,fp8 flax,fp8 rows,fp8 delayed",
                       help="comma list of the paths to time")
   parser.add_argument("--block", action=argparse.BooleanOptionalAction, default=True,
                       help="also time the MLP block")
@@ -182,9 +195,9 @@ def main():
                      x.astype(E4M3), w.astype(E4M3))
       report(row, "fp8 raw fwd", c, flop / t / 1e12, "TFLOP/s")
     for label, dot in dots.items():
-      c, t = measure(dot, x, w)
+      c, t = measure(dot, x, w, history())
       report(row, f"{label} fwd", c, flop / t / 1e12, "TFLOP/s")
-      c, t = measure(fwd_bwd(dot), x, w, dy)
+      c, t = measure(fwd_bwd(dot), x, w, history(), dy)
       report(row, f"{label} fwd+bwd", c, 3 * flop / t / 1e12, "TFLOP/s")
   if args.block:
     print("MLP block (norm, fc1, GELU, fc2) fwd+bwd, ms:", flush=True)
@@ -192,7 +205,7 @@ def main():
     w1 = (jax.random.normal(key, (width, hidden)) / np.sqrt(width)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(key, (hidden, width)) / np.sqrt(hidden)).astype(jnp.bfloat16)
     for label, dot in dots.items():
-      c, t = measure(mlp_block(dot), x, w1, w2, x)
+      c, t = measure(mlp_block(dot), x, w1, w2, history(), history(), x)
       report(results["mlp_block"], label, c, 1e3 * t, "ms")
   print(json.dumps(results))
 

@@ -29,7 +29,11 @@ How the scales are chosen, and why:
   checkpoint is the same at either precision and bf16 and fp8 runs load
   each other's; and no stale scale that clips a tensor that grew.
   benchmarks/fp8_matmul_bench.py times this against delayed scaling and
-  the bf16 product at the backbone's shapes.
+  the bf16 product at the backbone's shapes: the row scales' extra passes
+  cost what fp8 gains (benchmarks/RESULTS.md, "fp8"). ``dense_delayed``
+  (below) is the delayed form, which does gain; ``precision='fp8'`` runs
+  it once the train step carries its histories (section "delayed
+  scaling").
 
 What stays in the model's dtype: everything but the dense layers that call
 ``ops.dense`` and ``ops.mlp`` (attention's q/k/v and output projections
@@ -133,6 +137,107 @@ def _dense_bwd(axes, dtype, x_dtype, kernel_dtype, residuals, g):
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# ----------------------------------------------------------- delayed scaling
+#
+# What benchmarks/RESULTS.md ("fp8") found faster than bf16 where the row
+# scales above are not: the input's scale is known before the input is (it
+# comes from the largest magnitudes of earlier steps), so quantizing fuses
+# into the op that produces the input, and the product is XLA's pattern for
+# one scaled fp8 GEMM (dequantize both inputs, then the dot). Scales are
+# powers of two: dividing by one and dequantizing are exact in any float
+# format, so only the fp8 rounding differs from the exact product, on the
+# CPU as on the GPU. The kernel keeps a current scale (its own largest
+# magnitude: one reduction over the weights, the same for every row and
+# every batch). The input's scale comes from the history alone, so row i's
+# output depends on row i only: a causal model stays causal and an
+# evaluation does not depend on its batch.
+#
+# How a step updates the history: the history is an input of the product
+# whose "gradient" is this step's record, the input's and the output
+# gradient's largest magnitudes in column 0 and zeros elsewhere (the
+# gradient's is known only in the backward pass, hence the record travels as
+# a cotangent, as in Flax's fp8 ops); the train step then shifts the record
+# in with :func:`updated_history`. A layer applied twice in one step sums
+# its two records, which overstates the largest magnitude (a coarser scale,
+# never a clipped value); microbatches must combine their records with a
+# maximum, not a sum.
+
+HISTORY = 16     # steps of largest magnitudes each scale is taken from
+
+
+def new_history():
+  """``[2, HISTORY]`` float32 zeros: the largest magnitudes of a layer's
+  input (row 0) and of its output's gradient (row 1) over the last
+  ``HISTORY`` steps, newest first. An empty history gives the scale 1."""
+  return jnp.zeros((2, HISTORY), jnp.float32)
+
+
+def updated_history(history, record):
+  """``history`` after a step whose record (the cotangent
+  :func:`dense_delayed` gives its history) holds this step's largest
+  magnitudes in column 0: the record shifted in, the oldest step out."""
+  return jnp.concatenate([record[:, :1], history[:, :-1]], axis=1)
+
+
+def power_of_two_scale(amax, fmt):
+  """The smallest power of two that maps ``amax`` into ``fmt``'s range (1
+  for 0)."""
+  exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / _largest(fmt)))
+  return jnp.where(amax > 0, jnp.exp2(exponent), jnp.float32(1.0))
+
+
+def _dequantized(q, scale, dtype):
+  return q.astype(dtype) * scale.astype(dtype)
+
+
+def dense_delayed(x, kernel, history, axes: int, dtype):
+  """``x [..., *K] @ kernel [*K, *N] -> [..., *N]`` in ``dtype`` on e4m3
+  inputs (e5m2 gradient), the input's scale from ``history``
+  (:func:`new_history`), the kernel's from itself; the cotangent of
+  ``history`` is the step's record (see above). The gradients of ``x``
+  and ``kernel`` come back in their own dtypes."""
+  return _delayed(x, kernel, history, axes, jnp.dtype(dtype), jnp.dtype(x.dtype),
+                  jnp.dtype(kernel.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _delayed(x, kernel, history, axes, dtype, x_dtype, kernel_dtype):
+  return _delayed_fwd(x, kernel, history, axes, dtype, x_dtype, kernel_dtype)[0]
+
+
+def _delayed_fwd(x, kernel, history, axes, dtype, x_dtype, kernel_dtype):
+  del x_dtype, kernel_dtype
+  sx = power_of_two_scale(jnp.max(history[0]), E4M3)
+  sw = power_of_two_scale(jnp.max(jnp.abs(kernel)).astype(jnp.float32), E4M3)
+  xq, wq = _to(x, sx, E4M3), _to(kernel, sw, E4M3)
+  dims = (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes)))
+  y = jax.lax.dot_general(_dequantized(xq, sx, dtype), _dequantized(wq, sw, dtype),
+                          (dims, ((), ())))
+  amax_x = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return y, (xq, sx, wq, sw, amax_x, history)
+
+
+def _delayed_bwd(axes, dtype, x_dtype, kernel_dtype, residuals, g):
+  # Both products in the layer's dtype, as the bf16 layer computes them
+  # (ops.dense casts the kernel first), each operand dequantized straight
+  # from float8: XLA's pattern for a scaled fp8 GEMM.
+  xq, sx, wq, sw, amax_x, history = residuals
+  sg = power_of_two_scale(jnp.max(history[1]), E5M2)
+  gq = _to(g, sg, E5M2)
+  lead = xq.ndim - axes
+  dx = jax.lax.dot_general(_dequantized(gq, sg, dtype), _dequantized(wq, sw, dtype),
+                           ((tuple(range(lead, g.ndim)), tuple(range(axes, wq.ndim))),
+                            ((), ())))
+  dkernel = jax.lax.dot_general(_dequantized(xq, sx, dtype), _dequantized(gq, sg, dtype),
+                                ((tuple(range(lead)), tuple(range(lead))), ((), ())))
+  amax_g = jnp.max(jnp.abs(g)).astype(jnp.float32)
+  record = jnp.zeros_like(history).at[:, 0].set(jnp.stack([amax_x, amax_g]))
+  return dx.astype(x_dtype), dkernel.astype(kernel_dtype), record
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 # Accelerators whose matrix units take fp8 inputs (the others would run the

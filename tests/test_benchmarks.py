@@ -39,14 +39,19 @@ def test_compile_benchmark_prints_both_forms_of_a_case():
 
 def test_fp8_matmul_bench_prints_each_measurement_as_it_lands():
   out = run("fp8_matmul_bench.py", "--variant=B/16", "--batch=1", "--shapes=proj",
-            "--paths=bf16,fp8 raw,fp8 rows", "--no-block")
+            "--paths=bf16,fp8 raw,fp8 rows,fp8 delayed", "--no-block")
   lines = [line.split() for line in out.splitlines() if "(compile" in line]
   assert [" ".join(l[:-5]) for l in lines] == [
-      "fp8 raw fwd", "bf16 fwd", "bf16 fwd+bwd", "fp8 rows fwd", "fp8 rows fwd+bwd"]
+      "fp8 raw fwd", "bf16 fwd", "bf16 fwd+bwd", "fp8 rows fwd", "fp8 rows fwd+bwd",
+      "fp8 delayed fwd", "fp8 delayed fwd+bwd"]
   result = json.loads(out.splitlines()[-1])
   assert list(result["matmul"]["proj"]) == [" ".join(l[:-5]) for l in lines]
   assert all(v > 0 for v in result["matmul"]["proj"].values())
   assert result["mlp_block"] == {}
+  # The MLP block, its two layers each with a history of its own.
+  out = run("fp8_matmul_bench.py", "--variant=B/16", "--batch=1", "--shapes=proj",
+            "--paths=fp8 delayed")
+  assert json.loads(out.splitlines()[-1])["mlp_block"]["fp8 delayed"] > 0
   bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_matmul_bench.py"),
                         "--paths=bf16,fp8 fast"], capture_output=True, text=True, cwd=ROOT)
   assert bad.returncode == 2 and "--paths: unknown fp8 fast; choose from" in bad.stderr

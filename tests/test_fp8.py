@@ -93,6 +93,74 @@ def test_a_row_is_rounded_by_its_own_values_only():
   np.testing.assert_array_equal(bumped[0, :3], base[0, :3])
 
 
+# ------------------------------------------------------ delayed scaling
+
+
+def _delayed(x, w, history, axes, dtype=jnp.bfloat16):
+  return fp8.dense_delayed(x, w, history, axes, dtype)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,axes", [
+    ((4, 6, 32), (32, 3, 2, 8), 1), ((4, 6, 2, 16), (2, 16, 32), 2), ((24, 64), (64, 48), 1)])
+def test_delayed_products_and_gradients_within_the_formats_tolerance(x_shape, w_shape, axes):
+  """Scales from a history that holds the tensors' largest magnitudes (one
+  step earlier): the tolerances of the per-row products above."""
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, x_shape).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, w_shape) * 0.2
+  g = jax.random.normal(kg, x_shape[:x.ndim - axes] + w_shape[axes:]).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(lambda x, w, h: _delayed(x, w, h, axes), x, w, fp8.new_history())
+  history = fp8.updated_history(fp8.new_history(), vjp(g)[2])   # the first step's record
+  got, vjp = jax.vjp(lambda x, w: _delayed(x, w, history, axes), x, w)
+  want, vjp_want = jax.vjp(lambda x, w: _reference(x, w, axes), x, w)
+  assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+  assert _rel(got, want) < 0.06
+  dx, dw = vjp(g)
+  dx_want, dw_want = vjp_want(g.astype(jnp.float32))
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  assert _rel(dx, dx_want) < 0.12 and _rel(dw, dw_want) < 0.12
+  assert not np.any(np.asarray(_delayed(x, jnp.zeros(w_shape), history, axes)))
+  text = str(jax.make_jaxpr(jax.grad(
+      lambda x, w: _delayed(x, w, history, axes).astype(jnp.float32).sum(), (0, 1)))(x, w))
+  assert "f8_e4m3fn" in text and "f8_e5m2" in text
+
+
+def test_delayed_scaling_rounds_each_row_independently_of_the_batch():
+  """The input's scale comes from the history, not from the batch: a large
+  value in another row (another image, a later patch) leaves every other
+  row's output exactly as it was."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 16))
+  w = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+  history = fp8.new_history().at[0, 5].set(3.0).at[1, 0].set(0.5)
+  base = _delayed(x, w, history, 1, jnp.float32)
+  bumped = _delayed(x.at[2, 4].mul(1000.0).at[0, 3].set(0.0), w, history, 1, jnp.float32)
+  np.testing.assert_array_equal(bumped[1], base[1])
+  np.testing.assert_array_equal(bumped[2, :4], base[2, :4])
+  np.testing.assert_array_equal(bumped[0, :3], base[0, :3])
+
+
+def test_the_history_records_each_steps_largest_magnitudes_newest_first():
+  x = jnp.array([[1.0, -3.0], [2.0, 0.5]])
+  w = jnp.eye(2)
+  history = fp8.new_history().at[:, 0].set(jnp.array([7.0, 0.25]))
+  _, vjp = jax.vjp(lambda x, w, h: _delayed(x, w, h, 1, jnp.float32), x, w, history)
+  record = vjp(jnp.array([[0.5, 0.0], [0.0, -2.0]]))[2]
+  np.testing.assert_array_equal(record[:, 0], [3.0, 2.0])       # max |x|, max |dy|
+  assert not np.any(np.asarray(record[:, 1:]))
+  updated = fp8.updated_history(history, record)
+  np.testing.assert_array_equal(updated[:, :2], [[3.0, 7.0], [2.0, 0.25]])
+  assert updated.shape == (2, fp8.HISTORY)
+  # Scales are powers of two, the smallest that fits: 448 is e4m3's top.
+  np.testing.assert_array_equal(fp8.power_of_two_scale(jnp.array([0.0, 448.0, 449.0, 3.0]),
+                                                       fp8.E4M3), [1.0, 1.0, 2.0, 2.0 ** -7])
+
+
+def test_an_empty_history_scales_by_one_and_clips_rather_than_overflows():
+  x = jnp.array([[1000.0, 1.0]])          # past e4m3's 448 at the scale 1
+  y = _delayed(x, jnp.eye(2), fp8.new_history(), 1, jnp.float32)
+  np.testing.assert_array_equal(y, [[448.0, 1.0]])
+
+
 @pytest.mark.parametrize("objective", ["mse", "diffusion"])
 def test_prediction_for_patch_t_never_sees_patch_t_or_later_in_fp8(objective):
   """The causality property of tests/test_models.py, under fp8."""
