@@ -97,11 +97,10 @@ def precision_xla_flags(precision: str) -> None:
   """Under ``precision='fp8'``, XLA's GPU GEMMs go to cuBLAS, not Triton
   (``--xla_gpu_enable_triton_gemm=false`` added to ``XLA_FLAGS``), unless
   ``XLA_FLAGS`` already says which. With Triton on, XLA autotunes every fp8
-  GEMM against Triton's kernels: on an H100 one H/14 fp8 matmul did not
-  finish compiling in 60 s, the fp8 H/14 step not in 170 s, and the kernels
-  it chose ran slower than cuBLAS's (benchmarks/RESULTS.md, fp8). bf16
-  steps ran at the same speed either way, so nothing else changes. Call
-  before JAX first compiles; only the GPU reads the flag."""
+  GEMM against Triton's kernels, which takes minutes per program and picks
+  kernels slower than cuBLAS's; bf16 steps are as fast either way, so
+  nothing else changes (benchmarks/RESULTS.md, "fp8", has the figures).
+  Call before JAX first compiles; only the GPU reads the flag."""
   if precision != "fp8":
     return
   flags = os.environ.get("XLA_FLAGS", "")
