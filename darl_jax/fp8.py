@@ -7,7 +7,7 @@ range. The backward pass multiplies the incoming gradient in e5m2 (more
 range, less precision: gradients span more decades than activations) with
 the saved e4m3 inputs.
 
-How the scales are chosen, and why:
+How ``dense`` chooses the scales (no history), and why:
 
 - Each row of ``x`` (one token of one image) gets its own scale, from that
   row's largest magnitude. One scale for the whole tensor would tie every
@@ -22,18 +22,25 @@ How the scales are chosen, and why:
   saved ``x`` is re-rounded to one scale (the largest row scale) for the
   kernel's gradient. Gradients sum over the batch anyway, so nothing is
   lost by tying them together.
-- The scales come from the tensors as they are ("current scaling"), not
-  from a history of earlier steps ("delayed scaling", as Transformer
-  Engine and Flax's ``Fp8DotGeneralOp`` run it): nothing to keep in the
-  train state, to checkpoint or to average over microbatches, so a
-  checkpoint is the same at either precision and bf16 and fp8 runs load
-  each other's; and no stale scale that clips a tensor that grew.
-  benchmarks/fp8_matmul_bench.py times this against delayed scaling and
-  the bf16 product at the backbone's shapes: the row scales' extra passes
-  cost what fp8 gains (benchmarks/RESULTS.md, "fp8"). ``dense_delayed``
-  (below) is the delayed form, which does gain; ``precision='fp8'`` runs
-  it once the train step carries its histories (section "delayed
-  scaling").
+- These scales come from the tensors as they are ("current scaling"):
+  nothing to keep between steps. Their extra passes cost what fp8 gains
+  (benchmarks/RESULTS.md, "fp8"), so they run only where a layer has no
+  history: a model applied without the ``fp8`` collection (the probes'
+  frozen backbone, sampling, kNN and few-shot features).
+
+A layer trained under ``precision='fp8'`` scales from a history instead
+("delayed scaling", as Transformer Engine and Flax's ``Fp8DotGeneralOp``
+run it; ``dense_delayed`` below): its ``DenseParams`` keeps the largest
+magnitudes of its input and of its output's gradient over the last
+``HISTORY`` steps in the ``fp8`` collection (``COLLECTION``), which the
+train state holds in ``model_state`` and checkpoints. The train step
+(train/step.py) differentiates the loss with respect to the histories as
+well; their cotangents are the step's records, which ``updated_histories``
+shifts in. A checkpoint of either precision loads under the other
+(train/state.py, ``precision_target``): a bf16 one starts with empty
+histories, and a step whose layers had none only fills them
+(``warming``): its update is skipped, as a non-finite step's is, since
+scales of 1 would have clipped or flushed what it computed.
 
 What stays in the model's dtype: everything but the dense layers that call
 ``ops.dense`` and ``ops.mlp`` (attention's q/k/v and output projections
@@ -165,6 +172,7 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 # maximum, not a sum.
 
 HISTORY = 16     # steps of largest magnitudes each scale is taken from
+COLLECTION = "fp8"   # the Flax collection of the histories (models/layers.py, DenseParams)
 
 
 def new_history():
@@ -179,6 +187,29 @@ def updated_history(history, record):
   :func:`dense_delayed` gives its history) holds this step's largest
   magnitudes in column 0: the record shifted in, the oldest step out."""
   return jnp.concatenate([record[:, :1], history[:, :-1]], axis=1)
+
+
+def updated_histories(histories, records):
+  """:func:`updated_history` over a tree of histories (the ``fp8``
+  collection) and their records (its cotangent)."""
+  return jax.tree.map(updated_history, histories, records)
+
+
+def combined_records(records):
+  """One record from records stacked on a leading axis (a step's
+  microbatches, train/accumulate.py): the largest magnitude of each, since
+  a sum would overstate it and a mean understate it."""
+  return jax.tree.map(lambda r: jnp.max(r, axis=0), records)
+
+
+def warming(histories, records) -> jax.Array:
+  """Whether a layer ran this step (its record is nonzero) on an empty
+  history (a fresh state, or a checkpoint saved under bf16): its scales
+  were 1, not its tensors', so the step only fills the histories (module
+  docstring). A bool scalar; False for no histories."""
+  empty = [(jnp.max(h[0]) == 0) & (jnp.max(r[0]) > 0)
+           for h, r in zip(jax.tree.leaves(histories), jax.tree.leaves(records))]
+  return jnp.any(jnp.stack(empty)) if empty else jnp.zeros((), bool)
 
 
 def power_of_two_scale(amax, fmt):

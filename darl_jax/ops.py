@@ -179,16 +179,19 @@ def _require_hopper(op: str, gpu_fix: str) -> None:
 # ------------------------------------------------------------------ dense layers
 
 
-def dense(x, kernel, bias=None, *, dtype, axes: int = 1):
+def dense(x, kernel, bias=None, *, dtype, axes: int = 1, history=None):
   """``x @ kernel (+ bias)`` over ``x``'s last ``axes`` axes, as Flax's
   ``nn.DenseGeneral`` computes it: inputs and parameters promoted to
   ``dtype`` first. Under ``precision='fp8'`` the product runs on float8
   copies of ``x`` and ``kernel`` (darl_jax/fp8.py) and comes back in
-  ``dtype``."""
+  ``dtype``, scaled from the layer's ``history`` where it has one
+  (``dense_delayed``), else row by row (``dense``); bf16 ignores
+  ``history``."""
   x = x.astype(dtype)
   if _precision == "fp8":
     from darl_jax import fp8
-    y = fp8.dense(x, kernel, axes, dtype)
+    y = (fp8.dense(x, kernel, axes, dtype) if history is None
+         else fp8.dense_delayed(x, kernel, history, axes, dtype))
   else:
     kernel = kernel.astype(dtype)
     contract = (tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes)))
@@ -282,9 +285,10 @@ def _hopper_mlp_fits(x, hidden: int, dtype) -> bool:
   return True
 
 
-def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
+def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype, histories=(None, None)):
   """The Transformer MLP, ``fc2(gelu(fc1(x)))``; fc2's bias is added only if
-  ``fc2_bias`` is given (the fused stack adds it in the next norm's kernel)."""
+  ``fc2_bias`` is given (the fused stack adds it in the next norm's kernel).
+  ``histories``: fc1's and fc2's fp8 histories (``dense``)."""
   if (_current.mlp == "hopper" and _precision != "fp8"
       and _hopper_mlp_fits(x, fc1_kernel.shape[-1], dtype)):
     from darl_jax.kernels import hopper_mlp
@@ -293,8 +297,8 @@ def mlp(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, dtype):
                                                  _interpret()),
         x.astype(dtype), fc1_kernel, fc1_bias, fc2_kernel, fc2_bias,
         batched=(True, False, False, False, False), axes=BATCH_AXES)
-  h = gelu(dense(x, fc1_kernel, fc1_bias, dtype=dtype))
-  return dense(h, fc2_kernel, fc2_bias, dtype=dtype)
+  h = gelu(dense(x, fc1_kernel, fc1_bias, dtype=dtype, history=histories[0]))
+  return dense(h, fc2_kernel, fc2_bias, dtype=dtype, history=histories[1])
 
 
 # ------------------------------------------------------------------ attention
@@ -379,30 +383,31 @@ def _two_key_attention(q, k, v):
   return (f32(v1) + p0 * (f32(v0) - f32(v1))).astype(v.dtype)
 
 
-def self_attention(x, qkv_kernel, qkv_bias, rope, *, causal: bool, dtype, mask=None):
+def self_attention(x, qkv_kernel, qkv_bias, rope, *, causal: bool, dtype, mask=None,
+                   history=None):
   """Multi-head self-attention of ``x [B, T, D]`` up to the output
   projection: the packed q/k/v projection (``qkv_kernel [D, 3, H, Dh]``,
-  ``qkv_bias [3, H, Dh]``), RoPE on q and k, attention. Returns the heads'
-  outputs ``[B, T, H, Dh]``.
+  ``qkv_bias [3, H, Dh]``, fp8 ``history`` as for ``dense``), RoPE on q
+  and k, attention. Returns the heads' outputs ``[B, T, H, Dh]``.
 
   With ``hopper`` and causal attention without a mask the projection's
   bias and RoPE run inside the Hopper kernels (the projection too where its
   tiles fit), so the packed ``[B, T, 3, H, Dh]`` array is read once."""
   if _current.attention == "hopper":
     if causal and mask is None:
-      out = _hopper_self_attention(x, qkv_kernel, qkv_bias, rope, dtype)
+      out = _hopper_self_attention(x, qkv_kernel, qkv_bias, rope, dtype, history)
       if out is not None:
         return out
     elif mask is not None:
       _warn_once("kernels.attention='hopper' runs causal attention without a mask; masked "
                  "attention (model.prefix) runs as cuDNN's where it takes the inputs, else XLA's",
                  info=True)
-  qkv = dense(x, qkv_kernel, qkv_bias, dtype=dtype)
+  qkv = dense(x, qkv_kernel, qkv_bias, dtype=dtype, history=history)
   q, k, v = (apply_rope(qkv[:, :, i], rope) if i < 2 else qkv[:, :, i] for i in range(3))
   return attention(q, k, v, causal=causal, mask=mask)
 
 
-def _hopper_self_attention(x, kernel, bias, rope, dtype):
+def _hopper_self_attention(x, kernel, bias, rope, dtype, history=None):
   """The Hopper path of ``self_attention``, or None where its kernels do
   not take the inputs (per-image RoPE tables, shapes their tiles do not
   divide), for the general path."""
@@ -422,7 +427,7 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
         lambda x, kernel, bias, tables: hopper_attention.causal_attention_projected(
             x, kernel, bias, tables, tiling, _interpret()),
         x, kernel.astype(dtype), bias, tables, batched=(True, False, False, False), axes=BATCH_AXES)
-  product = dense(x, kernel, dtype=dtype)
+  product = dense(x, kernel, dtype=dtype, history=history)
   local = per_shard.local(product, BATCH_AXES)
   if local is None or not hopper_attention.fits_qkv(local, bias, tables):
     return None
@@ -436,10 +441,11 @@ def _hopper_self_attention(x, kernel, bias, rope, dtype):
 
 
 def block_stack(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool,
-                dtype, scanned: bool, block_code: tuple):
+                dtype, scanned: bool, block_code: tuple, histories=None):
   """A backbone's stack of pre-LN blocks and its final norm run as one unit
   on its parameter tree (``block_XX`` or scanned ``blocks/block``, and
-  ``norm``), or None when the plain blocks should run: with ``norm=triton``,
+  ``norm``; ``histories``: the same tree's fp8 histories, or None), or None
+  when the plain blocks should run: with ``norm=triton``,
   kernels/fused_stack.py, each residual add (and the bias of the projection
   that ends the branch) done inside the next norm's kernel. Returns
   ``{"features", "block_XX"}`` as the backbone does.
@@ -464,7 +470,8 @@ def block_stack(params, x, rope, mask=None, *, depth: int, num_heads: int, causa
   stack_ops = fused_stack.StackOps(self_attention=self_attention, dense=dense, mlp=mlp,
                                    eps=LN_EPS, interpret=_interpret(), batch_axes=BATCH_AXES)
   return fused_stack.run(params, x, rope, mask, depth=depth, num_heads=num_heads,
-                         causal=causal, dtype=dtype, scanned=scanned, ops=stack_ops)
+                         causal=causal, dtype=dtype, scanned=scanned, ops=stack_ops,
+                         histories=histories)
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,15 +81,20 @@ TENSOR_DIMS = (
     (r"mlp(_\d+)?/fc2/kernel$", ("tensor", None)),
 )
 
+# fp8's histories (model_state["fp8"], darl_jax/fp8.py: 2 x 16 numbers a
+# layer) stay whole on every device: each scale reads its whole history.
+HISTORIES = (r"(^|/)history$", P())
+
 PARTITION_RULES = {
     # Pure data parallelism: every device holds the whole state.
     "replicated": [(r".*", P())],
     # ZeRO-3 style: each parameter (and its Adam moments) split over `fsdp`.
-    "fsdp": [(r".*", "fsdp")],
+    "fsdp": [HISTORIES, (r".*", "fsdp")],
     # Tensor parallelism over heads / MLP hidden units; the rest replicated.
     "tensor": [*((r, Split(d)) for r, d in TENSOR_DIMS), (r".*", P())],
     # Both: tensor dims as above, and every leaf's largest other axis over fsdp.
-    "fsdp_tensor": [*((r, Split(d, fsdp=True)) for r, d in TENSOR_DIMS), (r".*", "fsdp")],
+    "fsdp_tensor": [HISTORIES, *((r, Split(d, fsdp=True)) for r, d in TENSOR_DIMS),
+                    (r".*", "fsdp")],
 }
 
 

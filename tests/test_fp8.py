@@ -19,13 +19,17 @@ from darl_jax import metrics as metrics_lib
 from darl_jax import ops
 from darl_jax import patches as patches_lib
 from darl_jax import sampling
+from darl_jax import sharding as sharding_lib
 from darl_jax.models import darl as darl_lib
+from darl_jax.train import feed as feed_lib
 from darl_jax.train import loop
 from darl_jax.train.trainers import finetune
+from darl_jax.train.trainers import linear_probe
 from darl_jax.train.trainers import pretrain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import test_accumulate  # pylint: disable=wrong-import-position
 import test_finetune  # pylint: disable=wrong-import-position
 import test_models  # pylint: disable=wrong-import-position
 import tiny_config  # pylint: disable=wrong-import-position
@@ -182,6 +186,155 @@ def test_prediction_for_patch_t_never_sees_patch_t_or_later_in_fp8(objective):
       assert float(jnp.abs(new[:, j + 1:] - base[:, j + 1:]).max()) > 1e-4
 
 
+# ---------------------------------------------------- histories in the model
+
+
+def _fp8_model(**over):
+  """A tiny diffusion DARL initialised under fp8 (its ``fp8`` collection),
+  with histories as a few steps of training would leave them."""
+  over = {"loss.kind": "diffusion", "decoder.kind": "transformer",
+          "decoder.gamma_conditioning": True, **over}
+  model = darl_lib.darl_from_config(test_models.tiny_config(**over))
+  x = test_models.images(n=4)
+  with ops.using(precision="fp8"):
+    variables = model.init({"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(1)},
+                           x, train=False)
+  histories = jax.tree.map(lambda h: h.at[..., 0, 3].set(2.5).at[..., 1, 0].set(0.01),
+                           variables[fp8.COLLECTION])
+  return model, {"params": variables["params"], fp8.COLLECTION: histories}, x
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_dense_layer_keeps_a_history_in_the_fp8_collection(scan):
+  """Backbone and decoder, unrolled or scanned; none under bf16."""
+  model, variables, x = _fp8_model(**{"model.scan_layers": scan})
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_leaves_with_path(variables[fp8.COLLECTION])]
+  kernels = [jax.tree_util.keystr(p[:-1]) for p, _ in
+             jax.tree_util.tree_leaves_with_path(variables["params"])
+             if jax.tree_util.keystr(p[-1:]) == "['kernel']"
+             and any(k in jax.tree_util.keystr(p) for k in ("attn", "mlp"))]
+  assert sorted(p.removesuffix("['history']") for p in paths) == sorted(kernels)
+  depth = 2 if scan else None
+  for leaf in jax.tree.leaves(variables[fp8.COLLECTION]):
+    assert leaf.shape[-2:] == (2, fp8.HISTORY) and leaf.dtype == jnp.float32
+    if scan and leaf.ndim == 3:
+      assert leaf.shape[0] == depth
+  assert fp8.COLLECTION not in model.init(
+      {"params": jax.random.PRNGKey(0), "noise": jax.random.PRNGKey(1)}, x, train=False)
+
+
+def test_causality_holds_with_scales_from_the_histories():
+  """The backbone's token t, under delayed scaling, never sees patch t or later."""
+  model, variables, x = _fp8_model()
+  with ops.using(precision="fp8"):
+    features = jax.jit(lambda imgs: model.apply(variables, imgs, train=False,
+                                                method=darl_lib.DARL.encode)[1]["features"])
+    base = features(x)
+    for j in (0, 5, 14):          # raster patch j is input token j + 1 (after SOS)
+      bumped = patches_lib.unpatchify(patches_lib.patchify(x, 4).at[:, j].add(0.5), 4, (4, 4), 1)
+      new = features(bumped)
+      np.testing.assert_array_equal(new[:, :j + 1], base[:, :j + 1])
+      assert float(jnp.abs(new[:, j + 1:] - base[:, j + 1:]).max()) > 1e-4
+
+
+def _pretrain_fp8(**over):
+  return test_accumulate.pretrain_config(
+      "diffusion", **{"model.dtype": "bfloat16", "precision": "fp8", **over})
+
+
+def _step(built, state, i, num_microbatches=1):
+  step = built.make_step(num_microbatches)
+  batch = feed_lib.to_global(test_accumulate.host_batch(built, i), built.batch_sharding)
+  new, _ = step(jax.device_get(state), batch, built.hyper(i))
+  return jax.device_get(new)
+
+
+def test_the_first_step_fills_empty_histories_and_the_next_one_trains():
+  """Scales of 1 would have clipped or flushed the first step's tensors:
+  it records their largest magnitudes and leaves the parameters and the
+  optimizer as they were; the second step updates them and shifts its
+  record in, newest first."""
+  config = _pretrain_fp8()
+  built = loop.setup(pretrain.PretrainTrainer(config), config)
+  s0 = jax.device_get(built.init_state())
+  assert not any(np.any(h) for h in jax.tree.leaves(s0["model_state"][fp8.COLLECTION]))
+  s1 = _step(built, s0, 0)
+  assert int(s1["step"]) == 1 and int(s1["bad_step"]) == -1
+  test_accumulate.assert_close(s1["params"], s0["params"], rtol=0, atol=0)
+  test_accumulate.assert_close(s1["opt_state"], s0["opt_state"], rtol=0, atol=0)
+  first = jax.tree.leaves(s1["model_state"][fp8.COLLECTION])
+  assert all(np.all(h[..., :, 0] > 0) and not np.any(h[..., :, 1:]) for h in first)
+  s2 = _step(built, s1, 1)
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(s2["params"]),
+                                            jax.tree.leaves(s1["params"])))
+  for h1, h2 in zip(first, jax.tree.leaves(s2["model_state"][fp8.COLLECTION])):
+    np.testing.assert_array_equal(h2[..., :, 1], h1[..., :, 0])
+    assert np.all(h2[..., :, 0] > 0)
+
+
+def test_microbatches_combine_their_records_by_the_largest_magnitude():
+  """Accumulated over 2 microbatches, the step records the whole batch's
+  largest input magnitudes (the one-shot step's) and gradients twice the
+  one-shot step's (each microbatch's loss is a mean over half the rows);
+  the parameters then move as the one-shot step's, within fp8 rounding."""
+  config = _pretrain_fp8()
+  built = loop.setup(pretrain.PretrainTrainer(config), config)
+  s0 = jax.device_get(built.init_state())
+  one = _step(built, _step(built, s0, 0), 1)
+  acc = _step(built, _step(built, s0, 0, 2), 1, 2)
+  # Column 1 is the first step's record, taken on the same parameters.
+  for h1, h2 in zip(jax.tree.leaves(one["model_state"][fp8.COLLECTION]),
+                    jax.tree.leaves(acc["model_state"][fp8.COLLECTION])):
+    np.testing.assert_allclose(h2[..., 0, 1], h1[..., 0, 1], rtol=1e-6)
+    np.testing.assert_allclose(h2[..., 1, 1], 2 * h1[..., 1, 1], rtol=0.1)
+  test_accumulate.assert_close(acc["params"], one["params"], rtol=0, atol=2e-3)
+
+
+def test_validation_with_histories_does_not_depend_on_the_evaluation_batch():
+  """Each example's loss is the same evaluated with others or alone."""
+  config = _pretrain_fp8()
+  trainer = pretrain.PretrainTrainer(config)
+  built = loop.setup(trainer, config)
+  state = _step(built, jax.device_get(built.init_state()), 0)
+  assert np.any(jax.tree.leaves(state["model_state"][fp8.COLLECTION])[0])
+  batch = test_accumulate.host_batch(built, 3)
+  batch = {"image": batch["image"][:6], "index": np.arange(6, dtype=np.int32),
+           "mask": np.ones(6, bool)}
+  rng = jax.random.PRNGKey(5)
+  with ops.using(precision="fp8"):
+    def losses(rows):
+      part = feed_lib.model_input({k: v[rows] for k, v in batch.items()})
+      return np.asarray(trainer.eval_fn(built.model, state["params"], state["model_state"],
+                                        part, rng)["loss"])
+    whole = losses(slice(0, 6))
+    np.testing.assert_allclose(losses(slice(0, 2)), whole[:2], rtol=1e-6)
+    np.testing.assert_allclose(losses(slice(3, 6)), whole[3:], rtol=1e-6)
+
+
+def test_frozen_backbones_scale_row_by_row_and_trained_ones_keep_histories():
+  """A probe's backbone is frozen (no step would record its histories): its
+  state has none; a fine-tune's has them."""
+  probe = test_accumulate.probe_config(**{"model.dtype": "bfloat16", "precision": "fp8"})
+  state = loop.setup(linear_probe.LinearProbeTrainer(probe), probe).init_state()
+  assert fp8.COLLECTION not in state["model_state"]
+  ft = test_accumulate.finetune_config(**{"model.dtype": "bfloat16", "precision": "fp8"})
+  state = loop.setup(finetune.FinetuneTrainer(ft), ft).init_state()
+  assert jax.tree.leaves(state["model_state"][fp8.COLLECTION])
+
+
+def test_histories_stay_whole_on_every_device_under_fsdp():
+  tree = {"params": {"attn": {"qkv": {"kernel": jax.ShapeDtypeStruct((8, 3, 2, 16), jnp.float32)}}},
+          "model_state": {fp8.COLLECTION: {"attn": {"qkv": {
+              "history": jax.ShapeDtypeStruct((4, 2, 16), jnp.float32)}}}}}
+  for rules in ("fsdp", "fsdp_tensor"):
+    specs = sharding_lib.tree_specs(tree, {"fsdp": 2, "tensor": 1},
+                                    sharding_lib.check_rules(rules))
+    assert specs["model_state"][fp8.COLLECTION]["attn"]["qkv"]["history"] == \
+        jax.sharding.PartitionSpec()
+    assert specs["params"]["attn"]["qkv"]["kernel"] != jax.sharding.PartitionSpec()
+
+
 # --------------------------------------------------------------- training
 
 
@@ -210,14 +363,20 @@ def test_fp8_training_tracks_bf16_and_says_so(tmp_path, caplog):
   np.testing.assert_allclose(losses["fp8"][-4:].mean(), losses["bf16"][-4:].mean(), rtol=0.05)
 
 
-def test_checkpoints_cross_between_precisions(tmp_path):
+def test_checkpoints_cross_between_precisions(tmp_path, caplog):
   """bf16 -> fp8 -> bf16 resumes of one pretraining run, then fine-tuning
-  in fp8 from it: the state is the same tree at either precision."""
+  in fp8 from it: the fp8 run starts empty histories, the bf16 run after it
+  leaves them aside, each saying so."""
   wd = tmp_path / "pretrain"
   for precision, steps in (("bf16", 4), ("fp8", 8), ("bf16", 12)):
     c = _tiny(precision, steps=steps)
-    loop.run(pretrain.PretrainTrainer(c), c, str(wd))
+    with caplog.at_level("INFO"):
+      loop.run(pretrain.PretrainTrainer(c), c, str(wd))
     assert checkpoint_lib.read_meta(str(wd))[0] == steps
+    saved_under = "bf16" if precision == "fp8" else "fp8"
+    if steps > 4:
+      assert f"checkpoint at step {steps - 4} was saved under precision='{saved_under}'" \
+          in caplog.text
   records = metrics_lib.read_metrics(str(wd))
   assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from darl_jax import config_lib, ops
@@ -86,6 +87,44 @@ def test_the_fused_stack_is_the_plain_blocks(monkeypatch, scan_layers, causal, p
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
     assert a.dtype == b.dtype and _rel(a, b) < tol_grad, (jax.tree_util.keystr(path), _rel(a, b))
   assert _rel(dx_got, dx_want) < tol_grad, _rel(dx_got, dx_want)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_the_fused_stack_scales_fp8_from_the_same_histories(monkeypatch, scan_layers):
+  """Under precision='fp8' the fused stack reads each dense layer's history
+  (the model's ``fp8`` collection) as the plain blocks do: the same outputs,
+  and the same records (the histories' cotangents), within fp8 rounding."""
+  from darl_jax import fp8
+  runs = []
+  monkeypatch.setattr(fused_stack, "run", lambda *a, _f=fused_stack.run, **kw:
+                      runs.append(kw["histories"] is not None) or _f(*a, **kw))
+  model = _tiny_vit(scan_layers=scan_layers, dtype=jnp.bfloat16)
+  args = vit_inputs(2, 4)
+  with ops.using(precision="fp8"):
+    variables = model.init(jax.random.key(1), *args)
+  params = perturbed(variables["params"])
+  histories = jax.tree.map(lambda h: h.at[..., 0, 2].set(4.0).at[..., 1, 0].set(0.05),
+                           variables[fp8.COLLECTION])
+  readout = jax.random.normal(jax.random.key(3), (3, 2, 16, 64))
+
+  def f(p, h):
+    out = model.apply({"params": p, fp8.COLLECTION: h}, *args, train=False)
+    return sum(jnp.sum(out[k].astype(jnp.float32) * readout[i])
+               for i, k in enumerate(sorted(out))), out
+
+  results = {}
+  for norm in ("xla", "triton"):
+    with ops.using(norm=norm, precision="fp8"):
+      results[norm] = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(params, histories)
+  assert runs == [True]
+  (_, want), (_, records_want) = results["xla"]
+  (_, got), (_, records_got) = results["triton"]
+  for key in want:
+    assert _rel(got[key], want[key]) < 0.06, (key, _rel(got[key], want[key]))   # fp8 rounding
+  assert jax.tree.structure(records_got) == jax.tree.structure(histories)
+  for a, b in zip(jax.tree.leaves(records_got), jax.tree.leaves(records_want)):
+    assert np.all(np.asarray(b)[..., :, 0] > 0) and not np.any(np.asarray(b)[..., :, 1:])
+    np.testing.assert_allclose(a, b, rtol=5e-2)
 
 
 @pytest.mark.parametrize("kw,train,fused", [

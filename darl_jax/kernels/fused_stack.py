@@ -43,7 +43,7 @@ from darl_jax.kernels import per_shard
 # file implements (models/vit.py): when that code changes, ops.block_stack
 # runs the plain blocks instead (and says so) until the change is ported
 # here and this is updated.
-WRITTEN_FOR = "11312bd9d47ec99c"
+WRITTEN_FOR = "e3feef017f5a7b98"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,44 +93,60 @@ def _value(branch):
   return product + bias.astype(product.dtype)
 
 
-def _block(p, x, branch, rope, mask, *, causal: bool, dtype, ops: StackOps):
-  """One block on ``x + branch``: returns ``(x + branch + attention branch,
-  the MLP branch as (product, bias))``."""
+def _block(p, h, x, branch, rope, mask, *, causal: bool, dtype, ops: StackOps):
+  """One block on ``x + branch`` (``h``: its fp8 histories, or None):
+  returns ``(x + branch + attention branch, the MLP branch as (product,
+  bias))``."""
+  history = lambda *path: None if h is None else _at(h, path)["history"]   # noqa: E731
   x, y = _norm(p["norm1"], x, branch, ops)
   attn = p["attn"]
   heads = ops.self_attention(y.astype(dtype), attn["qkv"]["kernel"], attn["qkv"]["bias"],
-                             rope, causal=causal and mask is None, dtype=dtype, mask=mask)
-  y = (ops.dense(heads, attn["out"]["kernel"], dtype=dtype, axes=2), attn["out"]["bias"])
+                             rope, causal=causal and mask is None, dtype=dtype, mask=mask,
+                             history=history("attn", "qkv"))
+  y = (ops.dense(heads, attn["out"]["kernel"], dtype=dtype, axes=2,
+                 history=history("attn", "out")), attn["out"]["bias"])
   x, y = _norm(p["norm2"], x, y, ops)
   m = p["mlp"]
   y = ops.mlp(y.astype(dtype), m["fc1"]["kernel"], m["fc1"]["bias"],
-              m["fc2"]["kernel"], None, dtype=dtype)
+              m["fc2"]["kernel"], None, dtype=dtype,
+              histories=(history("mlp", "fc1"), history("mlp", "fc2")))
   return x, (y, m["fc2"]["bias"])
 
 
+def _at(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
 def run(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool, dtype,
-        scanned: bool, ops: StackOps):
+        scanned: bool, ops: StackOps, histories=None):
   """``{"features": final LN output, "block_XX": block outputs}`` of the
   stack in ``params`` (a backbone's parameter tree) on tokens ``x``
   (``mask``: the attention pattern, replacing causal or full), its
-  branches computed by ``ops``."""
+  branches computed by ``ops``; ``histories``: the dense layers' fp8
+  histories in the same tree (the model's ``fp8`` collection), or None."""
   del num_heads   # read from the parameter shapes
   out = {}
   if scanned:
     zero = (jnp.zeros_like(x), jnp.zeros(x.shape[-1:], jnp.float32))
 
-    def step(carry, p):
-      x, branch = _block(p, *carry, rope, mask, causal=causal, dtype=dtype, ops=ops)
+    def step(carry, layer):
+      p, h = layer
+      x, branch = _block(p, h, *carry, rope, mask, causal=causal, dtype=dtype, ops=ops)
       return (x, branch), x + _value(branch)
 
-    (x, branch), ys = jax.lax.scan(step, (x, zero), params["blocks"]["block"], length=depth)
+    layers = (params["blocks"]["block"],
+              None if histories is None else histories["blocks"]["block"])
+    (x, branch), ys = jax.lax.scan(step, (x, zero), layers, length=depth)
     for i in range(depth):
       out[f"block_{i:02d}"] = ys[i]
   else:
     branch = None
     for i in range(depth):
-      x, branch = _block(params[f"block_{i:02d}"], x, branch, rope, mask, causal=causal,
-                         dtype=dtype, ops=ops)
+      x, branch = _block(params[f"block_{i:02d}"],
+                         None if histories is None else histories[f"block_{i:02d}"],
+                         x, branch, rope, mask, causal=causal, dtype=dtype, ops=ops)
       out[f"block_{i:02d}"] = x + _value(branch)
   _, y = _norm(params["norm"], x, branch, ops, keep_input=False)
   out["features"] = y.astype(dtype)

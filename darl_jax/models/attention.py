@@ -42,41 +42,44 @@ class Attention(nn.Module):
     if width % self.num_heads:
       raise ValueError(f"width {width} is not divisible by {self.num_heads} heads")
     heads = (self.num_heads, width // self.num_heads)
-    qkv_kernel, qkv_bias = layers.DenseParams((3,) + heads, name="qkv")(width)
+    qkv = layers.DenseParams((3,) + heads, name="qkv")(width)
     query_proj = (layers.DenseParams(heads, name="query_proj")(width)
                   if queries is not None else None)
-    out_kernel, out_bias = layers.DenseParams(width, name="out")(heads)
-    project_out = lambda o: ops.dense(o, out_kernel, out_bias, dtype=self.dtype, axes=2)
+    out = layers.DenseParams(width, name="out")(heads)
+    project_out = lambda o: ops.dense(o, out.kernel, out.bias, dtype=self.dtype, axes=2,
+                                      history=out.history)
 
     if self.cache_len:
-      return project_out(self._decode(x, qkv_kernel, qkv_bias, rope, mask))
+      return project_out(self._decode(x, qkv, rope, mask))
     if context is not None:   # keys and values of [context, x]; queries of x
-      q, k, v = self._qkv(x, qkv_kernel, qkv_bias, rope)
-      _, k_c, v_c = self._qkv(context, qkv_kernel[:, 1:], qkv_bias[1:], None, queries=False)
+      q, k, v = self._qkv(x, qkv, rope)
+      k_v = qkv._replace(kernel=qkv.kernel[:, 1:], bias=qkv.bias[1:])
+      _, k_c, v_c = self._qkv(context, k_v, None, queries=False)
       return project_out(ops.attention(q, jnp.concatenate([k_c, k], 1),
                                        jnp.concatenate([v_c, v], 1), causal=False))
     if queries is None:
-      return project_out(ops.self_attention(x, qkv_kernel, qkv_bias, rope,
+      return project_out(ops.self_attention(x, qkv.kernel, qkv.bias, rope,
                                             causal=self.causal and mask is None,
-                                            dtype=self.dtype, mask=mask))
+                                            dtype=self.dtype, mask=mask, history=qkv.history))
     # Query stream: both streams use the causal mask over content positions;
     # for the queries that is "content before the patch it predicts"
     # (models/two_stream.py).
-    q, k, v = self._qkv(x, qkv_kernel, qkv_bias, rope)
-    q_g = ops.apply_rope(ops.dense(queries, *query_proj, dtype=self.dtype), query_rope)
+    q, k, v = self._qkv(x, qkv, rope)
+    q_g = ops.apply_rope(ops.dense(queries, query_proj.kernel, query_proj.bias, dtype=self.dtype,
+                                   history=query_proj.history), query_rope)
     return (project_out(ops.attention(q, k, v, causal=True)),
             project_out(ops.attention(q_g, k, v, causal=True)))
 
-  def _qkv(self, x, kernel, bias, rope, queries: bool = True):
+  def _qkv(self, x, qkv: layers.Dense, rope, queries: bool = True):
     """q, k, v ``[B, T, H, Dh]`` (k, v only, ``(None, k, v)``, for a kernel
     without the query part), RoPE on q and k."""
-    qkv = ops.dense(x, kernel, bias, dtype=self.dtype)
+    qkv = ops.dense(x, qkv.kernel, qkv.bias, dtype=self.dtype, history=qkv.history)
     if not queries:
       return None, ops.apply_rope(qkv[:, :, 0], rope), qkv[:, :, 1]
     return (ops.apply_rope(qkv[:, :, 0], rope), ops.apply_rope(qkv[:, :, 1], rope),
             qkv[:, :, 2])
 
-  def _decode(self, x, kernel, bias, rope, mask=None):
+  def _decode(self, x, qkv: layers.Dense, rope, mask=None):
     """Writes the new tokens' keys and values into the cache at
     ``cache_index`` and attends each new token to the cache up to itself
     (or as ``mask [B or 1, 1, T, cache_len]`` says: a prefix prefilled with
@@ -85,7 +88,7 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     if t > self.cache_len:
       raise ValueError(f"{t} new tokens do not fit a cache of {self.cache_len}")
-    q, k, v = self._qkv(x, kernel, bias, rope)
+    q, k, v = self._qkv(x, qkv, rope)
     shape = (b, self.cache_len) + k.shape[2:]
     cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)

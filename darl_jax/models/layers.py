@@ -7,12 +7,13 @@ checkpoints and exports keep one layout) and computes through darl_jax.ops.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from darl_jax import fp8
 from darl_jax import ops
 
 # MAE initialises every nn.Linear with Xavier-uniform over the 2D weight; for
@@ -21,10 +22,24 @@ from darl_jax import ops
 DENSE_INIT = nn.initializers.xavier_uniform()
 
 
+class Dense(NamedTuple):
+  """A dense layer's parameters, for ``ops.dense(x, d.kernel, d.bias,
+  history=d.history)``."""
+  kernel: jax.Array
+  bias: jax.Array
+  history: jax.Array | None   # fp8 scaling's history (darl_jax/fp8.py), else None
+
+
 class DenseParams(nn.Module):
   """The ``kernel [*fan_in, *features]`` and ``bias [*features]`` of a dense
   layer (float32, Xavier-uniform over the flattened 2D kernel, zero bias),
-  returned for the caller's op rather than applied."""
+  returned for the caller's op rather than applied, as a ``Dense``.
+
+  Under ``precision='fp8'`` a layer initialised then also keeps a history
+  of its largest magnitudes (the ``fp8`` collection: fp8.new_history), from
+  which ops.dense scales its float8 inputs; a model applied without that
+  collection (a frozen backbone) gets ``history=None``, and ops.dense then
+  scales each row afresh."""
   features: int | tuple[int, ...]
   kernel_init: Any = DENSE_INIT
 
@@ -38,7 +53,11 @@ class DenseParams(nn.Module):
 
     kernel = self.param("kernel", init, fan_in + features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, features, jnp.float32)
-    return kernel, bias
+    history = None
+    if ops.precision() == "fp8" and (self.is_initializing()
+                                     or self.has_variable(fp8.COLLECTION, "history")):
+      history = self.variable(fp8.COLLECTION, "history", fp8.new_history).value
+    return Dense(kernel, bias, history)
 
 
 class LayerNorm(nn.Module):
@@ -60,9 +79,10 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    w1, b1 = DenseParams(self.hidden, name="fc1")(x.shape[-1])
-    w2, b2 = DenseParams(x.shape[-1], name="fc2")(self.hidden)
-    return ops.mlp(x, w1, b1, w2, b2, dtype=self.dtype)
+    fc1 = DenseParams(self.hidden, name="fc1")(x.shape[-1])
+    fc2 = DenseParams(x.shape[-1], name="fc2")(self.hidden)
+    return ops.mlp(x, fc1.kernel, fc1.bias, fc2.kernel, fc2.bias, dtype=self.dtype,
+                   histories=(fc1.history, fc2.history))
 
 
 class DropPath(nn.Module):

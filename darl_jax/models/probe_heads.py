@@ -33,8 +33,10 @@ class AttentionPool(nn.Module):
                        "the probe's num_heads to a divisor of the backbone's width")
     heads = (self.num_heads, width // self.num_heads)
     query = self.param("query", nn.initializers.normal(0.02), heads, jnp.float32)
-    k = ops.dense(tokens, *layers.DenseParams(heads, name="key")(width), dtype=self.dtype)
-    v = ops.dense(tokens, *layers.DenseParams(heads, name="value")(width), dtype=self.dtype)
+    key = layers.DenseParams(heads, name="key")(width)
+    value = layers.DenseParams(heads, name="value")(width)
+    k = ops.dense(tokens, key.kernel, key.bias, dtype=self.dtype, history=key.history)
+    v = ops.dense(tokens, value.kernel, value.bias, dtype=self.dtype, history=value.history)
     q = jnp.broadcast_to(query.astype(self.dtype), (b, 1) + heads)
     out = ops.attention(q, k, v, causal=False)            # [B, 1, H, Dh]
     return out.reshape(b, width)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from darl_jax import fp8
 from darl_jax import layer_layout
 from darl_jax import ops
 from darl_jax.models import attention as attention_lib
@@ -120,10 +121,11 @@ class ScanBlock(nn.Module):
 
 def scan_blocks(block: type, length: int, name: str, **kwargs) -> nn.Module:
   """``length`` layers of ``block`` (a ``ScanBlock``, possibly rematerialised)
-  as one ``nn.scan``: parameters stacked on a leading layer axis under
-  ``<name>/block``, one dropout key per layer, the drop path rates scanned
-  (``in_axes=0``), RoPE tables and mask the same for every layer."""
-  stack = nn.scan(block, variable_axes={"params": 0},
+  as one ``nn.scan``: parameters (and fp8 histories) stacked on a leading
+  layer axis under ``<name>/block``, one dropout key per layer, the drop
+  path rates scanned (``in_axes=0``), RoPE tables and mask the same for
+  every layer."""
+  stack = nn.scan(block, variable_axes={"params": 0, fp8.COLLECTION: 0},
                   split_rngs={"params": True, "dropout": True},
                   in_axes=(0, nn.broadcast, nn.broadcast), length=length)
   return stack(name=name, **kwargs)
@@ -245,7 +247,8 @@ class ViT(nn.Module):
       # (ops.block_stack): the same function as the blocks below.
       out = ops.block_stack(self.variables["params"], x, rope, mask, depth=self.depth,
                             num_heads=self.num_heads, causal=self.causal, dtype=self.dtype,
-                            scanned=self.scan_layers, block_code=FUSED_BLOCK_CODE)
+                            scanned=self.scan_layers, block_code=FUSED_BLOCK_CODE,
+                            histories=self.variables.get(fp8.COLLECTION))
       if out is not None:
         return out
     out = {}

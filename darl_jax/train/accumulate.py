@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from darl_jax import config_lib
+from darl_jax import fp8
 
 # The key of a trainer's metrics dict that holds ``{metric: weight}``.
 METRIC_WEIGHTS = "metric_weights"
@@ -115,30 +116,35 @@ def weighted_mean(values: jax.Array, weights: jax.Array | None) -> jax.Array:
   return jnp.where(total > 0, summed / jnp.maximum(total, 1e-30), jnp.nan)
 
 
-def accumulate(grad_fn: Callable, params: Any, microbatches: Any, keys: jax.Array):
-  """Runs ``grad_fn(params, microbatch, key) -> ((loss, (metrics, model_state)),
-  grads)`` over the leading axis of ``microbatches`` and ``keys`` in a scan.
+def accumulate(grad_fn: Callable, params: Any, microbatches: Any, keys: jax.Array,
+               histories: Any = None):
+  """Runs ``grad_fn(params, histories, microbatch, key) -> ((loss, (metrics,
+  model_state)), (grads, records))`` over the leading axis of
+  ``microbatches`` and ``keys`` in a scan (``histories``: fp8's, or None).
 
-  Returns ``(loss, metrics, model_state, grads)`` of the whole batch: loss
-  and gradients weighted by the metrics' ``METRIC_WEIGHTS["loss"]`` (1 if
-  absent), the other scalar metrics by their own weights, the model state
-  averaged (see the module docstring). Gradients are summed in float32 and
-  returned in the parameters' dtypes.
+  Returns ``(loss, metrics, model_state, grads, records)`` of the whole
+  batch: loss and gradients weighted by the metrics'
+  ``METRIC_WEIGHTS["loss"]`` (1 if absent), the other scalar metrics by
+  their own weights, the model state averaged (see the module docstring),
+  the fp8 records (largest magnitudes) combined by their maximum
+  (fp8.combined_records). Gradients are summed in float32 and returned in
+  the parameters' dtypes.
   """
 
   def body(grad_sum, xs):
     microbatch, key = xs
-    (loss, (metrics, model_state)), grads = grad_fn(params, microbatch, key)
+    (loss, (metrics, model_state)), (grads, records) = grad_fn(
+        params, histories, microbatch, key)
     metrics, weights = pop_weights(metrics)
     w = jnp.asarray(weights.get("loss", 1.0), jnp.float32)
     grad_sum = jax.tree_util.tree_map(lambda s, g: s + w * g.astype(jnp.float32),
                                       grad_sum, grads)
     scalars = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
     weights = {k: jnp.asarray(weights.get(k, 1.0), jnp.float32) for k in scalars}
-    return grad_sum, (loss, w, scalars, weights, model_state)
+    return grad_sum, (loss, w, scalars, weights, model_state, records)
 
   zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  grad_sum, (losses, loss_w, scalars, weights, states) = jax.lax.scan(
+  grad_sum, (losses, loss_w, scalars, weights, states, records) = jax.lax.scan(
       body, zeros, (microbatches, keys))
   total = jnp.sum(loss_w)
   grads = jax.tree_util.tree_map(lambda s, p: (s / total).astype(p.dtype), grad_sum, params)
@@ -147,4 +153,4 @@ def accumulate(grad_fn: Callable, params: Any, microbatches: Any, keys: jax.Arra
   model_state = jax.tree_util.tree_map(
       lambda x: jnp.mean(x, 0).astype(x.dtype)
       if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], states)
-  return loss, metrics, model_state, grads
+  return loss, metrics, model_state, grads, fp8.combined_records(records)

@@ -216,6 +216,7 @@ def _resume_or_initialise(trainer: Trainer, config, workdir: epath.Path, built: 
   if resumed is not None:
     start_step, state, resume_meta = resumed
     logging.info("resumed from %s at step %d", ckpt.directory, start_step)
+    state = state_lib.adopt_precision(state, built.abstract_state, start_step)
     state = state_lib.adopt_layout(state, built.abstract_state, start_step)
     state = state_lib.adopt_ema(state, start_step, resume_meta, config, built.state_shardings)
     return start_step, state, resume_meta

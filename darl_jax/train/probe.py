@@ -20,6 +20,7 @@ from flax import linen as nn
 
 from darl_jax import config_lib
 from darl_jax import data as data_lib
+from darl_jax import fp8
 from darl_jax import mixup as mixup_lib
 from darl_jax import sharding as sharding_lib
 from darl_jax.train import backbone as backbone_lib
@@ -113,6 +114,10 @@ class ProbeTrainer(trainer_lib.Trainer):
 
   def init_variables(self, model, rng, batch):
     variables = dict(model.init({"params": rng}, batch["image"], train=False))
+    # The backbone is frozen, so no step would record its fp8 histories:
+    # without them every dense layer (the heads' too) scales its inputs row
+    # by row (darl_jax/fp8.py).
+    variables.pop(fp8.COLLECTION, None)
     if self.grid is not None:
       variables["grid"] = self.grid.init(jax.random.fold_in(rng, 1))
     return variables

@@ -17,9 +17,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from darl_jax import ema as ema_lib
+from darl_jax import fp8
 from darl_jax import layer_layout
 
 
@@ -93,7 +95,7 @@ def restore_target(abstract_state: dict, saved) -> dict:
   the checkpoint's block layout (darl_jax/layer_layout.py: a checkpoint of
   the unrolled blocks resumes a scanned run and the other way round);
   ``adopt_layout`` then brings the restored state into this run's."""
-  return layer_layout.convert(ema_target(abstract_state, saved), saved)
+  return layer_layout.convert(ema_target(precision_target(abstract_state, saved), saved), saved)
 
 
 def adopt_layout(state: dict, abstract_state: dict, step: int) -> dict:
@@ -110,6 +112,48 @@ def adopt_layout(state: dict, abstract_state: dict, step: int) -> dict:
   shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
   return jax.jit(functools.partial(layer_layout.convert, like=like),
                  out_shardings=shardings)(state)
+
+
+def precision_target(abstract_state: dict, saved) -> dict:
+  """``abstract_state`` with the fp8 histories (``model_state["fp8"]``,
+  darl_jax/fp8.py) as the checkpoint has them: a run under
+  ``precision='fp8'`` reads a bf16 checkpoint without them, and a bf16 run
+  reads an fp8 one with them (replicated, as saved); ``adopt_precision``
+  then brings the state to this run's precision."""
+  model_state = abstract_state["model_state"]
+  saved_state = saved.get("model_state") if isinstance(saved, dict) else None
+  if not isinstance(saved_state, dict) or (
+      (fp8.COLLECTION in model_state) == (fp8.COLLECTION in saved_state)):
+    return abstract_state
+  if fp8.COLLECTION in model_state:
+    model_state = {k: v for k, v in model_state.items() if k != fp8.COLLECTION}
+  else:
+    replicated = abstract_state["step"].sharding
+    model_state = {**model_state, fp8.COLLECTION: jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), jnp.float32, sharding=replicated),
+        saved_state[fp8.COLLECTION], is_leaf=lambda m: hasattr(m, "shape"))}
+  return {**abstract_state, "model_state": model_state}
+
+
+def adopt_precision(state: dict, abstract_state: dict, step: int) -> dict:
+  """A restored state with this run's fp8 histories or without them (see
+  precision_target): a bf16 checkpoint under ``precision='fp8'`` gets empty
+  histories, whose first step fills them (fp8.warming); an fp8 one under
+  bf16 drops them. Logs one line when it changes anything."""
+  wanted = abstract_state["model_state"].get(fp8.COLLECTION)
+  if (wanted is None) == (fp8.COLLECTION not in state["model_state"]):
+    return state
+  model_state = {k: v for k, v in state["model_state"].items() if k != fp8.COLLECTION}
+  if wanted is None:
+    logging.info("the checkpoint at step %d was saved under precision='fp8': its fp8 "
+                 "histories are not used under bf16", step)
+  else:
+    model_state[fp8.COLLECTION] = jax.tree.map(
+        lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), wanted)
+    logging.info("the checkpoint at step %d was saved under precision='bf16': the fp8 "
+                 "scales start empty, and the next step fills them instead of updating "
+                 "the parameters", step)
+  return {**state, "model_state": model_state}
 
 
 def ema_target(abstract_state: dict, saved) -> dict:

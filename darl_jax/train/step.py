@@ -22,6 +22,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from darl_jax import ema as ema_lib
+from darl_jax import fp8
 from darl_jax import optim
 from darl_jax import sharding as sharding_lib
 from darl_jax.data import base as data_base
@@ -150,7 +151,8 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
   change of schedule, peak lr or nonzero weight decay compiles nothing new.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
-  (EMA included) and records its index in ``bad_step``. Shared by the loop
+  (EMA included) and records its index in ``bad_step``; one on empty fp8
+  histories (fp8.warming) updates only them. Shared by the loop
   and the benchmarks. ``mesh``: the mesh the step is jitted for (its batch
   split is the kernels', see on_mesh); None for one device. ``ema_decay > 0``:
   the state has an ``ema``, which averages in the updated parameters.
@@ -166,25 +168,36 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
     rng = jax.random.fold_in(base_rng, state["step"])
     batch = trainer.prepare_batch(model, batch, rng, True)
 
-    def loss_of(params, batch, key):
-      return trainer.loss_fn(model, params, state["model_state"], batch, key, True)
+    # fp8's histories (darl_jax/fp8.py), where the model keeps them: the
+    # loss is differentiated with respect to them too, and their
+    # "gradients" are the step's records of largest magnitudes.
+    histories = state["model_state"].get(fp8.COLLECTION)
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    def loss_of(params, histories, batch, key):
+      model_state = state["model_state"]
+      if histories is not None:
+        model_state = {**model_state, fp8.COLLECTION: histories}
+      return trainer.loss_fn(model, params, model_state, batch, key, True)
+
+    grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if num_microbatches == 1:
-      (loss, (metrics, model_state)), grads = grad_fn(state["params"], batch, rng)
+      (loss, (metrics, model_state)), (grads, records) = grad_fn(
+          state["params"], histories, batch, rng)
       metrics, _ = accumulate.pop_weights(metrics)
     else:
       keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(num_microbatches))
       microbatches = accumulate.split(batch, num_microbatches, batch_shards, spec)
-      loss, metrics, model_state, grads = accumulate.accumulate(
-          grad_fn, state["params"], microbatches, keys)
+      loss, metrics, model_state, grads, records = accumulate.accumulate(
+          grad_fn, state["params"], microbatches, keys, histories)
     grad_norm = optax.tree.norm(grads)
     with hyperparams.bind(hyper):
       updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree_util.tree_map(
-        lambda n, o: jnp.where(finite, n, o), new, old)
+    # A step on empty fp8 histories only fills them (fp8.warming).
+    update = finite & ~fp8.warming(histories, records)
+    keep = lambda new, old, ok=update: jax.tree_util.tree_map(
+        lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = {
         "step": state["step"] + 1,
         "params": keep(params, state["params"]),
@@ -194,6 +207,10 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
         "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"] + 1,
                               state["bad_step"]),
     }
+    if histories is not None:
+      new_state["model_state"] = {
+          **new_state["model_state"],
+          fp8.COLLECTION: keep(fp8.updated_histories(histories, records), histories, finite)}
     if ema_decay > 0:
       new_state["ema"] = keep(ema_lib.update(state["ema"], params, ema_decay), state["ema"])
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}

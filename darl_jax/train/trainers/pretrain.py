@@ -69,12 +69,12 @@ class PretrainTrainer(trainer_lib.Trainer):
     if "draws" not in batch:    # called outside the train step (benchmarks, tests)
       batch = self.prepare_batch(model, batch, rng, train)
     if train:
-      loss, metrics = model.apply({"params": params}, batch["image"], train=True,
+      loss, metrics = model.apply({"params": params, **model_state}, batch["image"], train=True,
                                   rngs={"dropout": dropout},
                                   method=objectives.loss_given_noise, **batch["draws"])
     else:
       draws, stream = jax.random.split(jax.random.split(rng)[0])
-      loss, metrics = model.apply({"params": params}, batch["image"], draws, train=False,
+      loss, metrics = model.apply({"params": params, **model_state}, batch["image"], draws, train=False,
                                   rngs={"noise": stream}, method=objectives.loss)
     metrics = dict(metrics)
     metrics[accumulate.METRIC_WEIGHTS] = metrics.pop("counts")
@@ -99,7 +99,7 @@ class PretrainTrainer(trainer_lib.Trainer):
       return jax.tree.map(lambda x: x[0], draws)
 
     draws = jax.vmap(example_draws)(step_lib.example_keys(rng, batch["index"]))
-    _, metrics = model.apply({"params": params}, batch["image"], train=False,
+    _, metrics = model.apply({"params": params, **model_state}, batch["image"], train=False,
                              method=objectives.loss_given_noise, **draws)
     return {"loss": metrics["per_example_loss"]}
 
