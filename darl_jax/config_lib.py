@@ -127,11 +127,12 @@ def base_config() -> ml_collections.ConfigDict:
   # checkpoint resumes, fine-tunes and exports under any choice.
   c.kernels = ml_collections.ConfigDict({"attention": "auto", "mlp": "auto", "norm": "auto"})
   # The dense layers' matmul inputs (darl_jax/fp8.py): "bf16" = the model's
-  # dtype; "fp8" = float8 inputs (a scale per token and one per kernel) for
-  # the backbone's and the decoder's q/k/v, attention output and MLP layers
-  # (GPUs of compute capability 8.9 or later). Like the kernels, not part of the model: a
-  # checkpoint of either precision resumes, fine-tunes and exports under the
-  # other.
+  # dtype; "fp8" = float8 inputs for the backbone's and the decoder's q/k/v,
+  # attention output and MLP layers (GPUs of compute capability 8.9 or
+  # later), scaled from histories of their largest magnitudes kept in the
+  # train state. Not part of the model: a checkpoint of either precision
+  # resumes, fine-tunes and exports under the other (the histories start
+  # empty or are dropped).
   c.precision = "bf16"
 
   c.optim = ml_collections.ConfigDict({

@@ -205,22 +205,37 @@ class Hyperparams:
 
   KEYS = ("learning_rate", "weight_decay")
 
-  def __init__(self, schedule: Callable, host_schedule: Callable, weight_decay: float):
+  def __init__(self, schedule: Callable, host_schedule: Callable, weight_decay: float,
+               layer_multipliers=None):
     self.schedule, self.host_schedule = schedule, host_schedule
     self.weight_decay_value = float(weight_decay)
+    # Layer decay's per-leaf multipliers (layer_multipliers), inputs of the
+    # step as well: as constants each block's update would be a kernel of
+    # its own, compiled once per block (benchmarks/RESULTS.md, fine-tuning's
+    # compile time); as inputs the blocks share one.
+    self.multipliers = layer_multipliers
+    self.keys = self.KEYS + (() if layer_multipliers is None else ("layer_multipliers",))
     self._bound = None
 
   def values(self, step: int) -> dict:
-    return {"learning_rate": np.float32(self.host_schedule(step)),
-            "weight_decay": np.float32(self.weight_decay_value)}
+    out = {"learning_rate": np.float32(self.host_schedule(step)),
+           "weight_decay": np.float32(self.weight_decay_value)}
+    if self.multipliers is not None:
+      out["layer_multipliers"] = self.multipliers
+    return out
 
   def abstract(self, sharding=None) -> dict:
-    return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding) for k in self.KEYS}
+    out = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding) for k in self.KEYS}
+    if self.multipliers is not None:
+      out["layer_multipliers"] = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(np.shape(m), jnp.float32, sharding=sharding),
+          self.multipliers)
+    return out
 
   @contextlib.contextmanager
   def bind(self, hyper: dict):
-    if set(hyper) != set(self.KEYS):
-      raise ValueError(f"hyper needs exactly the keys {self.KEYS}, got {sorted(hyper)}")
+    if set(hyper) != set(self.keys):
+      raise ValueError(f"hyper needs exactly the keys {self.keys}, got {sorted(hyper)}")
     previous, self._bound = self._bound, hyper
     try:
       yield
@@ -236,6 +251,11 @@ class Hyperparams:
     if self._bound is None:
       return self.weight_decay_value
     return jnp.asarray(self._bound["weight_decay"], jnp.float32)
+
+  def layer_multipliers(self):
+    if self._bound is None:
+      return self.multipliers
+    return self._bound["layer_multipliers"]
 
 
 # ------------------------------------------------------------ per-parameter rules
@@ -321,13 +341,14 @@ def layer_multipliers(cfg, params):
   return mult
 
 
-def _scale_by_tree(mult) -> optax.GradientTransformation:
-  """Multiplies each update by its leaf of ``mult`` (MaskedNode-aware, stateless)."""
+def _scale_by_tree(mult: Callable[[], Any]) -> optax.GradientTransformation:
+  """Multiplies each update by its leaf of ``mult()`` (read at update time,
+  as ``_add_decayed_weights`` reads its rate; MaskedNode-aware, stateless)."""
   def update_fn(updates, state, params=None):
     del params
     scaled = jax.tree.map(
         lambda m, u: u if isinstance(u, optax.MaskedNode) else u * jnp.asarray(m, u.dtype),
-        mult, updates)
+        mult(), updates)
     return scaled, state
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
@@ -380,11 +401,11 @@ def make_train_optimizer(cfg, params, *, total_steps: int,
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
   schedule = make_schedule(cfg, total_steps, steps_per_epoch, batch_size=batch_size)
   wd = float(_get(cfg, "weight_decay") or 0.0)
-  hyperparams = Hyperparams(
-      schedule, make_host_schedule(cfg, total_steps, steps_per_epoch, batch_size=batch_size),
-      wd)
   mask = decay_mask(cfg, params)
   mult = layer_multipliers(cfg, params)
+  hyperparams = Hyperparams(
+      schedule, make_host_schedule(cfg, total_steps, steps_per_epoch, batch_size=batch_size),
+      wd, mult)
 
   parts = []
   # Clipping sits inside the trainable branch: the global norm counts only
@@ -408,7 +429,7 @@ def make_train_optimizer(cfg, params, *, total_steps: int,
         optax.scale_by_trust_ratio(trust_coefficient=_get(cfg, "trust_coefficient")),
         mask))
   if mult is not None:
-    parts.append(_scale_by_tree(mult))
+    parts.append(_scale_by_tree(hyperparams.layer_multipliers))
   parts.append(optax.scale_by_learning_rate(hyperparams.learning_rate))
   if name in ("lars", "sgd") and _get(cfg, "momentum"):
     # After the lr, as optax.lars does: a changing lr only affects new gradients.

@@ -291,6 +291,18 @@ def test_microbatches_combine_their_records_by_the_largest_magnitude():
   test_accumulate.assert_close(acc["params"], one["params"], rtol=0, atol=2e-3)
 
 
+def test_an_fp8_run_resumes_bit_identically_with_its_histories(tmp_path):
+  """Stopped after 3 steps and resumed: the histories come back from the
+  checkpoint, so the resumed run is the uninterrupted one."""
+  import resumed as resumed_lib  # pylint: disable=import-outside-toplevel
+  config = _pretrain_fp8(total_steps=6, microbatch_size=8, checkpoint_every_steps=3,
+                         eval_every_steps=0)
+  straight, resumed = resumed_lib.straight_and_resumed(pretrain.PretrainTrainer, config,
+                                                       tmp_path, stop_at=3)
+  assert resumed["loss"] == straight["loss"]
+  assert resumed["param_norm"] == straight["param_norm"]
+
+
 def test_validation_with_histories_does_not_depend_on_the_evaluation_batch():
   """Each example's loss is the same evaluated with others or alone."""
   config = _pretrain_fp8()

@@ -123,6 +123,32 @@ def test_layer_decay_multipliers_per_block():
     np.testing.assert_allclose(up[k], -m, rtol=1e-6, err_msg=k)
 
 
+def test_layer_decay_reaches_the_train_step_as_inputs_not_constants():
+  """Bound to the step's ``hyper`` (as the train step binds it), the
+  multipliers are inputs of the program: the same program for any layer
+  decay (so each block's update is one shared kernel, not one per block),
+  and the bound values are the ones applied."""
+  p = _params()
+  grads = jax.tree.map(jnp.ones_like, p)
+  texts, updates = [], []
+  for decay in (0.5, 0.25):
+    tx, hp = optim.make_train_optimizer(_cfg(layer_decay=decay, num_layers=DEPTH), p,
+                                        total_steps=100, batch_size=256)
+    assert set(hp.values(0)) == {"learning_rate", "weight_decay", "layer_multipliers"}
+
+    def update(grads, state, params, hyper, tx=tx, hp=hp):
+      with hp.bind(hyper):
+        return tx.update(grads, state, params)[0]
+
+    lowered = jax.jit(update).lower(grads, tx.init(p), p, hp.values(0))
+    texts.append(lowered.as_text())
+    updates.append(_flat(jax.jit(update)(grads, tx.init(p), p, hp.values(0))))
+  assert texts[0] == texts[1]
+  for i in range(DEPTH):
+    k = f"backbone/block_{i:02d}/attn/qkv/kernel"
+    np.testing.assert_allclose(updates[1][k], updates[0][k] * 0.5 ** (DEPTH - i), rtol=1e-6)
+
+
 def test_layer_decay_scanned_per_layer_axis():
   p = _params(scanned=True)
   cfg = _cfg(name="adamw", layer_decay=0.5, num_layers=DEPTH, eps=0.0)
