@@ -188,15 +188,18 @@ def make_host_schedule(cfg, total_steps: int, steps_per_epoch: int | None = None
 
 
 class Hyperparams:
-  """The optimizer's per-step values (learning rate, weight decay) as inputs
-  of the train step rather than constants of its program: a change of
-  ``total_steps``, warm-up, ``base_lr`` or (nonzero) ``weight_decay`` then
-  reuses the compiled step.
+  """The optimizer's per-step values (learning rate, weight decay, and layer
+  decay's multipliers where set) as inputs of the train step rather than
+  constants of its program: a change of ``total_steps``, warm-up,
+  ``base_lr``, (nonzero) ``weight_decay`` or ``layer_decay`` then reuses the
+  compiled step.
 
   The transformation ``make_train_optimizer`` builds reads them through
-  ``learning_rate(count)`` and ``weight_decay()``: inside ``with
-  hyperparams.bind(hyper)`` (the train step, ``hyper`` its argument
-  ``{"learning_rate": f32[], "weight_decay": f32[]}``) the bound values, else
+  ``learning_rate(count)``, ``weight_decay()`` and ``layer_multipliers()``:
+  inside ``with hyperparams.bind(hyper)`` (the train step, ``hyper`` its
+  argument ``{"learning_rate": f32[], "weight_decay": f32[]}``, with
+  ``"layer_multipliers"``, a tree like the parameters', under layer decay)
+  the bound values, else
   the in-graph schedule of the update count and the configured decay, as
   before. ``values(step)`` is ``hyper`` for the ``step``-th update (0-based,
   the step counter before it), on the host. The optimizer state is optax's as

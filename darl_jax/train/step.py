@@ -145,10 +145,11 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
   """The (unjitted) update ``(state, batch, hyper) -> (state, metrics)``.
 
   ``hyper``: the update's learning rate and weight decay, ``{"learning_rate":
-  f32[], "weight_decay": f32[]}`` (``hyperparams.values(state["step"])``, made
-  on the host), which ``tx`` (optim.make_train_optimizer, ``hyperparams``
-  its values) reads: they are inputs of the program, not constants, so a
-  change of schedule, peak lr or nonzero weight decay compiles nothing new.
+  f32[], "weight_decay": f32[]}`` and layer decay's multipliers where set
+  (``hyperparams.values(state["step"])``, made on the host), which ``tx``
+  (optim.make_train_optimizer, ``hyperparams`` its values) reads: they are
+  inputs of the program, not constants, so a change of schedule, peak lr,
+  nonzero weight decay or layer decay compiles nothing new.
 
   A step whose loss or gradient norm is non-finite leaves the state as it was
   (EMA included) and records its index in ``bad_step``; one on empty fp8
