@@ -114,7 +114,10 @@ def test_optimizer_state_layout_is_unchanged(name, scanned):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bound_values_give_the_update_of_the_configured_ones(name):
   """The step's ``hyper`` at the configured values updates as the schedule
-  and decay inside the program did (a constant schedule: exactly)."""
+  and decay inside the program did (a constant schedule: exactly; under
+  layer decay within two float32 roundings, since XLA folds a constant
+  multiplier into the constant learning rate where bound values multiply
+  in turn)."""
   p = _params()
   cfg = _case(name)
   cfg.schedule, cfg.warmup_steps = "constant", 0
@@ -130,7 +133,8 @@ def test_bound_values_give_the_update_of_the_configured_ones(name):
     (ua, state_a), (ub, state_b) = (jax.jit(tx.update)(grads, state_a, p),
                                     jax.jit(bound)(grads, state_b, p, hyperparams.values(count)))
     for x, y in zip(jax.tree.leaves((ua, state_a)), jax.tree.leaves((ub, state_b)), strict=True):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      rtol = 2.4e-7 if cfg.get("layer_decay") else 0.0   # two float32 roundings
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=0)
   # Another weight decay is another update, through the same program.
   other = dict(hyperparams.values(0), weight_decay=np.float32(0.5))
   changed = jax.jit(bound)(grads, tx.init(p), p, other)[0]
