@@ -371,6 +371,7 @@ def test_fp8_training_tracks_bf16_and_says_so(tmp_path, caplog):
     records = metrics_lib.read_metrics(str(tmp_path / precision))
     losses[precision] = np.array([r["loss"] for r in records if "loss" in r])
   assert "dense layers in fp8" in caplog.text
+  assert "the first step fills the fp8 scales' histories" in caplog.text
   assert losses["fp8"][-1] < 0.75 * losses["fp8"][0]              # it learns
   np.testing.assert_allclose(losses["fp8"][-4:].mean(), losses["bf16"][-4:].mean(), rtol=0.05)
 

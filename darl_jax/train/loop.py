@@ -40,6 +40,7 @@ from darl_jax import checkpoint as checkpoint_lib
 from darl_jax import cli
 from darl_jax import config_lib
 from darl_jax import files
+from darl_jax import fp8
 from darl_jax import metrics as metrics_lib
 from darl_jax import preemption
 from darl_jax import workdir as workdir_lib
@@ -226,6 +227,9 @@ def _resume_or_initialise(trainer: Trainer, config, workdir: epath.Path, built: 
   state["params"] = jax.device_put(params, built.state_shardings["params"])
   jax.block_until_ready(state)
   logging.info("start-up: initialisation: %.1f s", time.perf_counter() - init_started)
+  if fp8.COLLECTION in state["model_state"]:
+    logging.info("precision=fp8: the first step fills the fp8 scales' histories and leaves "
+                 "the parameters as they are (darl_jax/fp8.py)")
   if (ckpt.skipped_damaged and jax.process_index() == 0
       and (workdir / "metrics.jsonl").exists()):
     # Every checkpoint was damaged: the run starts over, and the records of
