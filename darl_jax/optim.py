@@ -206,8 +206,6 @@ class Hyperparams:
   before (``ScaleByScheduleState`` keeps counting), so checkpoints resume.
   """
 
-  KEYS = ("learning_rate", "weight_decay")
-
   def __init__(self, schedule: Callable, host_schedule: Callable, weight_decay: float,
                layer_multipliers=None):
     self.schedule, self.host_schedule = schedule, host_schedule
@@ -217,7 +215,6 @@ class Hyperparams:
     # its own, compiled once per block (benchmarks/RESULTS.md, fine-tuning's
     # compile time); as inputs the blocks share one.
     self.multipliers = layer_multipliers
-    self.keys = self.KEYS + (() if layer_multipliers is None else ("layer_multipliers",))
     self._bound = None
 
   def values(self, step: int) -> dict:
@@ -228,17 +225,15 @@ class Hyperparams:
     return out
 
   def abstract(self, sharding=None) -> dict:
-    out = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding) for k in self.KEYS}
-    if self.multipliers is not None:
-      out["layer_multipliers"] = jax.tree.map(
-          lambda m: jax.ShapeDtypeStruct(np.shape(m), jnp.float32, sharding=sharding),
-          self.multipliers)
-    return out
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.float32, sharding=sharding),
+        self.values(0))
 
   @contextlib.contextmanager
   def bind(self, hyper: dict):
-    if set(hyper) != set(self.keys):
-      raise ValueError(f"hyper needs exactly the keys {self.keys}, got {sorted(hyper)}")
+    keys = tuple(self.values(0))
+    if set(hyper) != set(keys):
+      raise ValueError(f"hyper needs exactly the keys {keys}, got {sorted(hyper)}")
     previous, self._bound = self._bound, hyper
     try:
       yield

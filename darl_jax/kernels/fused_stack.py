@@ -97,7 +97,7 @@ def _block(p, h, x, branch, rope, mask, *, causal: bool, dtype, ops: StackOps):
   """One block on ``x + branch`` (``h``: its fp8 histories, or None):
   returns ``(x + branch + attention branch, the MLP branch as (product,
   bias))``."""
-  history = lambda *path: None if h is None else _at(h, path)["history"]   # noqa: E731
+  history = lambda layer, dense: None if h is None else h[layer][dense]["history"]   # noqa: E731
   x, y = _norm(p["norm1"], x, branch, ops)
   attn = p["attn"]
   heads = ops.self_attention(y.astype(dtype), attn["qkv"]["kernel"], attn["qkv"]["bias"],
@@ -111,12 +111,6 @@ def _block(p, h, x, branch, rope, mask, *, causal: bool, dtype, ops: StackOps):
               m["fc2"]["kernel"], None, dtype=dtype,
               histories=(history("mlp", "fc1"), history("mlp", "fc2")))
   return x, (y, m["fc2"]["bias"])
-
-
-def _at(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
 
 
 def run(params, x, rope, mask=None, *, depth: int, num_heads: int, causal: bool, dtype,

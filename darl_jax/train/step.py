@@ -197,13 +197,13 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # A step on empty fp8 histories only fills them (fp8.warming).
     update = finite & ~fp8.warming(histories, records)
-    keep = lambda new, old, ok=update: jax.tree_util.tree_map(
+    keep = lambda ok, new, old: jax.tree_util.tree_map(
         lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = {
         "step": state["step"] + 1,
-        "params": keep(params, state["params"]),
-        "opt_state": keep(opt_state, state["opt_state"]),
-        "model_state": keep(model_state, state["model_state"]),
+        "params": keep(update, params, state["params"]),
+        "opt_state": keep(update, opt_state, state["opt_state"]),
+        "model_state": keep(update, model_state, state["model_state"]),
         # Numbered as logged: the update that makes the step counter n is step n.
         "bad_step": jnp.where(~finite & (state["bad_step"] < 0), state["step"] + 1,
                               state["bad_step"]),
@@ -211,9 +211,10 @@ def make_train_step(trainer: Trainer, model, tx, hyperparams: optim.Hyperparams,
     if histories is not None:
       new_state["model_state"] = {
           **new_state["model_state"],
-          fp8.COLLECTION: keep(fp8.updated_histories(histories, records), histories, finite)}
+          fp8.COLLECTION: keep(finite, fp8.updated_histories(histories, records), histories)}
     if ema_decay > 0:
-      new_state["ema"] = keep(ema_lib.update(state["ema"], params, ema_decay), state["ema"])
+      new_state["ema"] = keep(update, ema_lib.update(state["ema"], params, ema_decay),
+                              state["ema"])
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
     # The parameter norm is not a per-step metric: it is read from the state
     # when metrics are logged (run), so that the step does not read every
