@@ -474,6 +474,38 @@ def test_study_runs_resumes_only_what_is_missing_and_reports(tmp_path, monkeypat
   runner.run(stages)
   assert ran == [pre.id, stages[3].id]
 
+  # The rerun is another execution of the pretraining: the one it replaced
+  # moves to superseded/, and each stage names the execution it started from.
+  executions = runner.executions(pre)
+  first, second = sorted(executions)
+  assert runner.result(pre)["finished"] == second
+  assert (tmp_path / "out" / "superseded" / f"{pre.id}.{first.replace(':', '')}.json").exists()
+  read = {s.id: runner.result(s)["parent_finished"] for s in stages[1:]}
+  assert read == {s.id: second if s is stages[3] else first for s in stages[1:]}
+  # Each run's record reads its chain as its last stage read it. (Marked, since
+  # CPU reruns repeat the numbers bit for bit.)
+  marked = dict(executions[first], metrics={**executions[first]["metrics"], "val_loss": 123.0})
+  runner_lib._write_json(runner.superseded_path(marked), marked)
+  records, _ = runner_lib.records(runner, study)
+  for run in study.runs:
+    record = next(r for r in records if r["run"] == run.name)
+    if run.stages[-1] is stages[3]:
+      assert record["metrics"]["pretrain/val_loss"] == executions[second]["metrics"]["val_loss"]
+      assert "superseded" not in record
+    else:
+      assert record["metrics"]["pretrain/val_loss"] == 123.0
+      assert record["superseded"] == [f"{pre.id}@{first}"]
+  # An execution that is not recorded: those rows leave the pretraining out.
+  runner.superseded_path(marked).unlink()
+  records, missing = runner_lib.records(runner, study)
+  assert missing == []
+  for record in records:
+    reads_first = record["run"] != next(r.name for r in study.runs
+                                        if r.stages[-1] is stages[3])
+    assert ("pretrain/val_loss" in record["metrics"]) is not reads_first
+    assert record.get("unrecorded") == ([pre.id] if reads_first else None)
+  runner_lib._write_json(runner.superseded_path(executions[first]), executions[first])
+
   # The report: one row per mask, one column per read-out, the runs' numbers.
   records, missing = runner_lib.records(runner, study)
   assert missing == [] and len(records) == 4
@@ -486,6 +518,25 @@ def test_study_runs_resumes_only_what_is_missing_and_reports(tmp_path, monkeypat
   value = 100 * full_last["metrics"]["last/val_accuracy"]
   assert f"| full | " in text and f"{value:.1f} |" in text
   assert text.count("python -m darl_jax.main") == len(stages)
+
+
+def test_a_stage_file_without_its_parents_execution_reads_the_one_before_it_started():
+  """Stage files written before ``parent_finished`` was recorded: the
+  parent's last execution finished before the child started (stamps cut to
+  the second, hence a second's slack); none if every recorded one is later."""
+  a, b = {"id": "p", "finished": "2026-01-01T00:00:00"}, {"id": "p",
+                                                          "finished": "2026-01-01T00:10:00"}
+  executions = {r["finished"]: r for r in (a, b)}
+  child = lambda finished, seconds: {"finished": finished, "seconds": seconds}
+  assert runner_lib.parent_execution(executions, child("2026-01-01T00:08:00", 60)) is a
+  assert runner_lib.parent_execution(executions, child("2026-01-01T00:20:00", 60)) is b
+  assert runner_lib.parent_execution(executions, child("2026-01-01T00:11:00", 60.5)) is b
+  assert runner_lib.parent_execution(executions, child("2026-01-01T00:11:00", 62)) is a
+  assert runner_lib.parent_execution(executions, child("2026-01-01T00:05:00", 600)) is None
+  # A stage file that names its parent's execution is read by that name only.
+  named = {"finished": "2026-01-01T00:20:00", "seconds": 60}
+  assert runner_lib.parent_execution(executions, {**named, "parent_finished": a["finished"]}) is a
+  assert runner_lib.parent_execution(executions, {**named, "parent_finished": "x"}) is None
 
 
 def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):

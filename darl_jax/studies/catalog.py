@@ -610,8 +610,10 @@ temperature 0.07, every block, nothing trained) are beyond the paper.""",
                         where={"family": "attentive grid"}),
               R.Choices("kNN (k = 20): best block per seed (eval split)", ("init",),
                         where={"family": "knn"}),
+              # The chains as the fine-tunes read them (a chain rerun for later
+              # protocols is another execution; runner.records reads each run's).
               R.Table("Pretraining validation loss", ("init",), None, ("pretrain/val_loss",),
-                      where={"family": "linear", "protocol": "linear probe"})],
+                      where={"family": "tuned", "protocol": "fine-tune"})],
       plots=[R.DepthCurves("Linear probe accuracy by block", "last/val_accuracy_block_",
                            ("init",), where={"family": "linear"}),
              R.DepthCurves("Linear probe grid accuracy by block (each at its held-out "

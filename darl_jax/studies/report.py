@@ -274,6 +274,28 @@ def comparisons_markdown(comparisons, records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def provenance_markdown(records: list[dict]) -> list[str]:
+  """Which rows read an earlier execution of a stage than its stage file
+  holds, and which leave stages out because the execution they started
+  from is not recorded (studies/runner.py, "Provenance"); nothing when
+  every row reads the stage files' executions."""
+  older = [r for r in records if r.get("superseded")]
+  unrecorded = [r for r in records if r.get("unrecorded")]
+  if not older and not unrecorded:
+    return []
+  parts = ["## Which executions the rows read", ""]
+  if older:
+    parts += ["These runs read an execution that a later rerun of the same stage replaced "
+              "in `stages/`; their rows take it from `superseded/`:", ""]
+    parts += [f"- {r['run']}: {', '.join(r['superseded'])}" for r in older] + [""]
+  if unrecorded:
+    parts += ["These runs started from an execution that is not recorded (a rerun "
+              "replaced it before it was kept); their rows leave out those stages' "
+              "metrics, such as the pretraining loss:", ""]
+    parts += [f"- {r['run']}: {', '.join(r['unrecorded'])}" for r in unrecorded] + [""]
+  return parts
+
+
 def slug(title: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
 
@@ -406,6 +428,7 @@ def write(study, records: list[dict], folder: pathlib.Path, *, scale: str, seeds
     parts += [f"![{spec.title}]({name})", ""]
     if note:
       parts += [note, ""]
+  parts += provenance_markdown(records)
   if missing or missing_comparators:
     parts += ["## Missing runs", ""] + [f"- {m}" for m in (*missing, *missing_comparators)]
     parts += [""]

@@ -4,6 +4,7 @@ Layout (``out`` is committed-size: JSON and reports; ``work`` holds the
 stages' workdirs with checkpoints and logs):
 
     <out>/stages/<stage id>.json   one per finished stage: metrics, seconds, command
+    <out>/superseded/<stage id>.<finished>.json   earlier executions of a stage
     <out>/<study>/README.md        the report (tables, plots, commands)
     <work>/<stage id>/             the stage's --workdir
     <work>/<stage id>.log          its output when run as a subprocess
@@ -14,6 +15,16 @@ own checkpoint (the shared train loop's resume). A stage whose parent's
 checkpoint is gone (another machine, a cleaned work folder) reruns the parent
 first. Fine-tuning, probe and supervised stages delete their checkpoints when
 done; pretraining stages keep their last one for later downstream stages.
+
+Provenance. A rerun of a stage (its chain's checkpoint gone with a machine)
+is another execution: GPU training is not bit-reproducible, and a code
+change since may draw other initial values. So a stage file never loses an
+execution: a rerun moves the file it replaces to ``<out>/superseded/``, and
+every stage records which execution of its parent it started from
+(``parent_finished``, the parent's ``finished`` stamp, read from the
+parent's workdir, ``execution.json``). The reports read each run's chain as
+its last stage read it (``chain``), so a row's pretraining numbers are those
+of the checkpoint its fine-tune or probe started from.
 
 ``parallel > 1`` runs up to that many stages at once as subprocesses (a
 small model leaves most of a GPU idle; each process allocates GPU memory as
@@ -65,6 +76,28 @@ class Runner:
     path = self.result_path(stage)
     return files.read_json_or_none(path)
 
+  def superseded_path(self, result: dict) -> pathlib.Path:
+    stamp = result["finished"].replace(":", "")
+    return self.out / SUPERSEDED / f"{result['id']}.{stamp}.json"
+
+  def executions(self, stage: S.Stage) -> dict[str, dict]:
+    """Every recorded execution of ``stage`` by its ``finished`` stamp: the
+    stage file's and those it superseded."""
+    found = [files.read_json_or_none(p)
+             for p in sorted((self.out / SUPERSEDED).glob(f"{stage.id}.*.json"))]
+    found.append(self.result(stage))
+    return {r["finished"]: r for r in found if r is not None and r.get("id") == stage.id}
+
+  def checkpoint_execution(self, stage: S.Stage) -> str | None:
+    """The ``finished`` stamp of the execution whose checkpoint is in the
+    stage's workdir; for a workdir from before the stamp was written, the
+    stage file's (the execution that ran where the checkpoint is)."""
+    stamp = files.read_json_or_none(self.workdir(stage) / EXECUTION_FILE)
+    if stamp is not None and stamp.get("id") == stage.id:
+      return stamp["finished"]
+    result = self.result(stage)
+    return result["finished"] if result is not None else None
+
   def has_checkpoint(self, stage: S.Stage) -> bool:
     ckpt = self.workdir(stage) / "checkpoints"
     return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
@@ -104,6 +137,9 @@ class Runner:
     config = S.load_config(stage, self.extra, init_from=parent)
     workdir = self.workdir(stage)
     logging.info("study stage %s: %s", stage.id, self.command(stage))
+    # Read before training: a parent rerun meanwhile does not change which
+    # execution this stage's initial checkpoint came from.
+    parent_finished = self.checkpoint_execution(stage.parent) if stage.parent else None
     start = time.time()
     # A trainer through the shared loop, or a job with a driver of its own
     # (the kNN classifier: nothing to train).
@@ -112,9 +148,17 @@ class Runner:
     result = {"id": stage.id, "kind": stage.kind, "config": stage.config,
               "overrides": stage.override_dict(), "parent": stage.parent.id if stage.parent
               else None, "metrics": metrics, "seconds": round(time.time() - start, 1),
-              "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+              # To the millisecond: the stamp names the execution (older
+              # files have seconds).
+              "finished": datetime.datetime.now().isoformat(timespec="milliseconds"),
               "command": self.command(stage, portable=True)}
+    if stage.parent is not None:
+      result["parent_finished"] = parent_finished
+    previous = self.result(stage)
+    if previous is not None and previous.get("finished") != result["finished"]:
+      _write_json(self.superseded_path(previous), previous)
     _write_json(self.result_path(stage), result)
+    _write_json(workdir / EXECUTION_FILE, {"id": stage.id, "finished": result["finished"]})
     if stage.kind != "pretrain":
       shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
     return result
@@ -224,6 +268,12 @@ class Runner:
       log.close()
       raise
     return proc, log, time.time()
+
+
+# Earlier executions of a stage, under ``out`` (module docstring, "Provenance").
+SUPERSEDED = "superseded"
+# In a stage's workdir: which execution its checkpoint is ({"id", "finished"}).
+EXECUTION_FILE = "execution.json"
 
 
 # SIGTERM: a scheduler's stop or a preemption; SIGINT: Ctrl-C.
@@ -464,21 +514,68 @@ def comparator_records(runner: Runner, study: S.Study) -> tuple[list[dict], list
   return rows, missing
 
 
+def chain(runner: Runner, run: S.Run) -> list[dict] | None:
+  """The results of a run's stages as its last stage read them: the last
+  stage's file, then each parent's execution that its child's
+  ``parent_finished`` names, from the stage file or ``superseded/``. None if
+  the last stage has not run; shorter than the run where an execution a
+  child read is not recorded (the chain ends at that child)."""
+  results = [runner.result(run.stages[-1])]
+  if results[0] is None:
+    return None
+  for stage in reversed(run.stages[:-1]):
+    parent = parent_execution(runner.executions(stage), results[0])
+    if parent is None:
+      break
+    results.insert(0, parent)
+  return results
+
+
+def parent_execution(executions: dict[str, dict], child: dict) -> dict | None:
+  """Of a parent's ``executions`` (``Runner.executions``), the one ``child``
+  started from. A stage file written before ``parent_finished`` was
+  recorded names none; for it, the parent's last execution finished before
+  the child started (its ``finished`` less its ``seconds``, plus a second:
+  the stamps are cut to the second): the one whose checkpoint was in the
+  workdir then."""
+  if "parent_finished" in child:
+    return executions.get(child["parent_finished"])
+  when = datetime.datetime.fromisoformat
+  start = when(child["finished"]) - datetime.timedelta(seconds=child["seconds"] - 1)
+  before = [stamp for stamp in executions if when(stamp) <= start]
+  return executions[max(before, key=when)] if before else None
+
+
 def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
-  """(report records of the complete runs, names of incomplete runs)."""
+  """(report records of the complete runs, names of incomplete runs).
+
+  A record holds the metrics of its run's chain (``chain``): where an
+  execution a stage started from is not recorded, the stages before it are
+  left out of the record (``unrecorded``: their ids), so no row mixes a
+  stage with another execution of its parent; ``superseded``: the
+  ``<id>@<finished>`` of the executions read that a later one replaced in
+  ``stages/``."""
   out, missing = [], []
   for run in study.runs:
-    results = [runner.result(s) for s in run.stages]
-    if any(r is None for r in results):
+    results = chain(runner, run)
+    if results is None:
       missing.append(run.name)
       continue
+    stages = run.stages[len(run.stages) - len(results):]
     metrics = {}
-    for stage, result in zip(run.stages, results):
+    for stage, result in zip(stages, results):
       metrics.update({f"{stage.kind}/{k}": v for k, v in derived(result["metrics"]).items()})
     metrics.update({f"last/{k}": v for k, v in derived(results[-1]["metrics"]).items()})
-    record = {"labels": run.labels, "metrics": metrics}
+    record = {"labels": run.labels, "metrics": metrics, "run": run.name}
     chosen = choice(run.stages[-1], results[-1]["metrics"])
     if chosen is not None:
       record["choice"] = chosen
+    unrecorded = [s.id for s in run.stages[:len(run.stages) - len(results)]]
+    if unrecorded:
+      record["unrecorded"] = unrecorded
+    superseded = [f"{r['id']}@{r['finished']}" for s, r in zip(stages, results)
+                  if (runner.result(s) or {}).get("finished") != r["finished"]]
+    if superseded:
+      record["superseded"] = superseded
     out.append(record)
   return out, missing
