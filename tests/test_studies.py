@@ -520,6 +520,21 @@ def test_study_runs_resumes_only_what_is_missing_and_reports(tmp_path, monkeypat
   assert text.count("python -m darl_jax.main") == len(stages)
 
 
+def test_rerun_executes_the_runs_again_and_keeps_what_it_replaces(tmp_path, monkeypatch):
+  stages = list(catalog.get_study("readout", TINY).runs[0].stages)
+  runner = runner_lib.Runner(tmp_path / "out", tmp_path / "work")
+  ran = _spy(monkeypatch)
+  assert runner.run(stages) == []
+  first = {s.id: runner.result(s)["finished"] for s in stages}
+  ran.clear()
+  assert runner.plan(stages) == [] and runner.plan(stages, rerun=True) == stages
+  assert runner.run(stages, rerun=True) == [] and ran == [s.id for s in stages]
+  for s in stages:
+    assert sorted(runner.executions(s)) == [first[s.id], runner.result(s)["finished"]]
+  pre, child = stages
+  assert runner.result(child)["parent_finished"] == runner.result(pre)["finished"]
+
+
 def test_a_stage_file_without_its_parents_execution_reads_the_one_before_it_started():
   """Stage files written before ``parent_finished`` was recorded: the
   parent's last execution finished before the child started (stamps cut to
@@ -555,6 +570,9 @@ def test_cli_runs_missing_stages_in_parallel_subprocesses(tmp_path):
   bad = subprocess.run(args + ["--list", "--runs=(("], capture_output=True, text=True,
                        cwd=ROOT, env=env)
   assert bad.returncode == 2 and "not a regular expression" in bad.stderr
+  everything = subprocess.run(args + ["--list", "--rerun"], capture_output=True, text=True,
+                              cwd=ROOT, env=env)
+  assert everything.returncode == 2 and "--rerun needs --runs" in everything.stderr
   # The pretraining and two fine-tunings done: two fine-tunings left, run at once.
   study = catalog.get_study("readout", TINY)
   stages = study.stages()

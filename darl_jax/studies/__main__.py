@@ -15,6 +15,9 @@ resumes from its checkpoint).
               (names as --list prints them: "init=DARL mse,protocol=fine-tune,...");
               the reports still cover every run
   --set       data.path=... and other settings that do not change results
+  --rerun     run every stage of the --runs selection again, done or not (after
+              a fix, or to read one execution of a chain throughout); the
+              files they replace move to <out>/superseded/
   --list      print the runs and their stages' commands, run nothing
   --report_only  write the reports from the results there are
 
@@ -50,6 +53,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", 1, "Stages at once (subprocesses wh
 _STOP = flags.DEFINE_float("stop_after_minutes", 0.0, "Start no stage after this many minutes.")
 _SET = flags.DEFINE_multi_string("set", [], "key=value for every stage (paths, not settings).")
 _RUNS = flags.DEFINE_string("runs", None, "Regex: run only the runs whose name matches.")
+_RERUN = flags.DEFINE_bool("rerun", False, "Run the --runs selection's stages again, "
+                           "done or not; replaced files move to <out>/superseded/.")
 _LIST = flags.DEFINE_bool("list", False, "Print runs and commands; run nothing.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only write the reports.")
 _STAGE = flags.DEFINE_string("stage", None, "(internal) run this one stage id in-process.")
@@ -84,6 +89,9 @@ def main(argv):
     runner = runner_lib.Runner(out, work, S.parse_set(_SET.value))
     stages = S.distinct_stages([s for study in chosen for run in selected(study, _RUNS.value)
                                  for s in run.stages])
+    if _RERUN.value and not _RUNS.value:
+      raise ValueError("--rerun needs --runs=<regex>: the runs to execute again "
+                       "(--list prints their names)")
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 
@@ -100,7 +108,7 @@ def main(argv):
       print(f"# {study.name}: {len(study.runs)} runs, {len(study.stages())} stages")
       for run in selected(study, _RUNS.value):
         print(f"{run.name}: {' -> '.join(s.id for s in run.stages)}")
-    todo = runner.plan(stages)
+    todo = runner.plan(stages, _RERUN.value)
     print(f"# {len(stages)} distinct stages; {len(todo)} to run "
           f"({S.training_images(todo)})")
     for s in todo:
@@ -117,7 +125,8 @@ def main(argv):
                   f"--work={runner.work}", f"--seeds={_SEEDS.value}"]
     child_args += [f"--set={s}" for s in _SET.value]
     failed = runner.run(stages, parallel=_PARALLEL.value,
-                        stop_after_minutes=_STOP.value, child_args=child_args)
+                        stop_after_minutes=_STOP.value, child_args=child_args,
+                        rerun=_RERUN.value)
   for study in chosen:
     records, missing = runner_lib.records(runner, study)
     comparators, absent = runner_lib.comparator_records(runner, study)

@@ -102,9 +102,13 @@ class Runner:
     ckpt = self.workdir(stage) / "checkpoints"
     return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
 
-  def plan(self, stages: list[S.Stage]) -> list[S.Stage]:
+  def plan(self, stages: list[S.Stage], rerun: bool = False) -> list[S.Stage]:
     """The stages to run, parents first: every stage without a result, and
-    every parent whose checkpoint such a stage needs but which is gone."""
+    every parent whose checkpoint such a stage needs but which is gone;
+    ``rerun``: every stage (a new execution of each, the recorded ones
+    kept in ``superseded/``)."""
+    if rerun:
+      return list(stages)
     todo: dict[str, S.Stage] = {}
 
     def need(stage: S.Stage):
@@ -164,10 +168,10 @@ class Runner:
     return result
 
   def run(self, stages: list[S.Stage], *, parallel: int = 1, stop_after_minutes: float = 0,
-          child_args: list[str] | None = None) -> list[str]:
-    """Runs ``plan(stages)``; returns the ids of the stages that failed (or
-    whose parent failed). Stages left for the deadline are logged."""
-    todo = self.plan(stages)
+          child_args: list[str] | None = None, rerun: bool = False) -> list[str]:
+    """Runs ``plan(stages, rerun)``; returns the ids of the stages that failed
+    (or whose parent failed). Stages left for the deadline are logged."""
+    todo = self.plan(stages, rerun)
     logging.info("%d of %d stages to run", len(todo), len(stages))
     deadline = time.time() + 60 * stop_after_minutes if stop_after_minutes > 0 else None
     pending = {s.id: s for s in todo}
