@@ -528,7 +528,10 @@ def test_rerun_executes_the_runs_again_and_keeps_what_it_replaces(tmp_path, monk
   first = {s.id: runner.result(s)["finished"] for s in stages}
   ran.clear()
   assert runner.plan(stages) == [] and runner.plan(stages, rerun=True) == stages
+  left = runner.workdir(stages[0]) / "left_over"
+  left.write_text("")   # the pretraining's workdir (its checkpoint) does not carry over
   assert runner.run(stages, rerun=True) == [] and ran == [s.id for s in stages]
+  assert not left.exists() and runner.has_checkpoint(stages[0])
   for s in stages:
     assert sorted(runner.executions(s)) == [first[s.id], runner.result(s)["finished"]]
   pre, child = stages

@@ -202,6 +202,8 @@ class Runner:
             if not ready(stage):
               continue
             del pending[sid]
+            if rerun:     # from scratch: the train loop would resume a checkpoint left there
+              shutil.rmtree(self.workdir(stage), ignore_errors=True)
             if parallel <= 1:
               try:
                 self.run_stage(stage)
