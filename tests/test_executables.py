@@ -124,28 +124,31 @@ def test_a_saved_file_of_another_program_is_recompiled_and_replaced(tmp_path, mo
 
 
 def test_a_saved_program_loads_while_it_is_traced(tmp_path, monkeypatch):
-  """The file's read (Program.load) is handed to a thread before the trace
-  begins; only its deserialization waits for the trace's jaxpr check."""
+  """The file's read and XLA's deserialization of its bytes (Program.load)
+  are handed to a thread before the trace begins and need nothing of it;
+  only making it this run's program waits for the trace's jaxpr check."""
   aot.compile_all([_program(tmp_path, scale=7.0)])
-  events, load_started = [], threading.Event()
-  real_load, real_trace = aot.Program.load, aot.Program.trace
+  events, prepared = [], threading.Event()
+  real_trace, real_prepare = aot.Program.trace, executables.prepare
 
-  def load(self):
+  def prepare(saved):
     events.append("load starts")
-    load_started.set()
-    return real_load(self)
+    out = real_prepare(saved)
+    events.append("deserialized")
+    prepared.set()
+    return out
 
   def trace(self):
-    load_started.wait(timeout=5)      # a load handed over before the trace has begun
+    prepared.wait(timeout=5)      # deserialized before the trace has begun
     real_trace(self)
     events.append("trace ends")
 
-  monkeypatch.setattr(aot.Program, "load", load)
+  monkeypatch.setattr(executables, "prepare", prepare)
   monkeypatch.setattr(aot.Program, "trace", trace)
   program = _program(tmp_path, scale=7.0)
   aot.compile_all([program])
-  assert "load" in program.times
-  assert events.index("load starts") < events.index("trace ends")
+  assert "load" in program.times and "compile" not in program.times
+  assert events == ["load starts", "deserialized", "trace ends"]
 
 
 def _mesh(kind="cpu", count=1):
@@ -426,9 +429,10 @@ def test_a_malformed_file_is_ignored_with_one_line_and_kept(tmp_path, monkeypatc
   assert path.read_bytes() == planted
 
 
-def test_a_file_of_another_jaxpr_is_never_deserialized(tmp_path, monkeypatch, caplog):
+def test_a_file_of_another_jaxpr_never_becomes_the_program(tmp_path, monkeypatch, caplog):
   """The jaxpr's digest in the header is checked against this run's trace
-  before anything of the file is deserialized."""
+  before the file's executable is made this run's program (XLA may have
+  deserialized its bytes beside the trace; they are dropped)."""
   aot.compile_all([_program(tmp_path, scale=15.0)])
   path = tmp_path / "k1.bin"
   header, payload = _header(path)

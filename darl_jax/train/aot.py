@@ -116,16 +116,19 @@ class Program:
     return self.path is not None and self.path.exists()
 
   def load(self) -> bool:
-    """Reads the saved program's file (its header and bytes; nothing is
-    deserialized); False where there is none or it is not a saved program
-    (then it is to be lowered and compiled). Whether it is this program,
-    :meth:`loaded_matches` tells once the program is traced, and only then
-    does :meth:`deserialize` make it an executable."""
+    """Reads the saved program's file and has XLA deserialize its bytes
+    (executables.prepare), in a thread while the program is traced; False
+    where there is none, it is not a saved program or its bytes do not
+    deserialize (then it is to be lowered and compiled). Whether it is this
+    program, :meth:`loaded_matches` tells once the program is traced, and
+    only then does :meth:`deserialize` make it this run's program."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     if not self.find_saved():
       return False
     t0 = time.perf_counter()
     saved = executables.read(self.path)
+    if saved is not None:
+      saved = executables.prepare(saved)
     if saved is None:
       return False
     self.saved, self.saved_jaxpr = saved, saved.jaxpr
@@ -146,8 +149,9 @@ class Program:
 
   def deserialize(self) -> bool:
     """Makes the saved program read by :meth:`load`, whose jaxpr
-    :meth:`loaded_matches` checked, this program's executable; False where
-    it does not load (then it is to be lowered and compiled)."""
+    :meth:`loaded_matches` checked, this program's executable (JAX's program
+    around XLA's executable); False where it does not load (then it is to
+    be lowered and compiled)."""
     from darl_jax.train import executables  # pylint: disable=g-import-not-at-top
     t0 = time.perf_counter()
     loaded = executables.deserialize(self.saved, self.traced)
@@ -249,10 +253,10 @@ def compile_threads(num_programs: int) -> int:
 def compile_all(programs: list[Program], *, after: Callable | None = None,
                      defer_saves: bool = False) -> DeferredSaves | None:
   """Every one of ``programs``, in order (the train step first): where a run
-  saved it, its file is read in a thread while this thread traces it, and
-  once the trace's jaxpr is the one saved with it (checked before anything
-  is deserialized) its deserialization is handed to a thread pool of
-  :func:`compile_threads` (XLA's work, outside the GIL); otherwise it is
+  saved it, its file is read and XLA's executable deserialized in a thread
+  while this thread traces it (both outside the GIL), and once the trace's
+  jaxpr is the one saved with it, making it this run's program is handed
+  to a thread pool of :func:`compile_threads`; otherwise it is
   traced and lowered in this thread (Python work, under the GIL) and handed
   to the pool to compile while this thread goes on to the next program. So
   the first program compiles or loads while the others are still being
@@ -283,7 +287,7 @@ def compile_all(programs: list[Program], *, after: Callable | None = None,
         reading = reader.submit(program.load) if program.find_saved() else None
         reads.append(reading)
         program.trace()
-        # Nothing saved is deserialized before this trace's jaxpr matches it.
+        # Nothing saved becomes the program before this trace's jaxpr matches it.
         if reading is not None and reading.result() and program.loaded_matches():
           futures[pool.submit(program.deserialize)] = program
         else:

@@ -95,10 +95,13 @@ MAX_HEADER = 1 << 26       # bytes: shardings of a large mesh, not more
 
 @dataclasses.dataclass
 class Saved:
-  """A saved program's file as read (:func:`read`), not yet deserialized."""
+  """A saved program's file as read (:func:`read`); ``executable``: XLA's
+  executable deserialized from its bytes (:func:`prepare`), not yet this
+  run's program (:func:`deserialize`)."""
   path: Path
   header: dict
   payload: bytes
+  executable: object = None
 
   @property
   def jaxpr(self) -> str:
@@ -283,24 +286,33 @@ def runtime_effects(closed_jaxpr) -> list:
           if not isinstance(e, core.InternalMutableArrayEffect)]
 
 
-def rebuild(data: dict, payload: bytes, traced):
-  """The ``jax.stages.Compiled`` of :func:`describe`'s ``(data, payload)``,
-  with the avals, argument info and in/out trees of ``traced`` (this run's
-  trace of the same program, its jaxpr checked against the saved one)."""
-  from jax._src import stages  # pylint: disable=g-import-not-at-top
-  from jax._src.interpreters import pxla  # pylint: disable=g-import-not-at-top
+def xla_executable(data: dict, payload: bytes):
+  """XLA's executable of :func:`describe`'s ``(data, payload)`` on this
+  process's backend (the bytes only: nothing of the program JAX builds
+  around it)."""
   from jax._src.lib import xla_client as xc  # pylint: disable=g-import-not-at-top
   backend = jax.devices()[0].client
   if backend.platform != data["platform"]:
     raise ValueError(f"saved for {data['platform']}, not {backend.platform}")
+  return backend.deserialize_executable(
+      payload, executable_devices=xc.DeviceList(tuple(backend.devices())))
+
+
+def rebuild(data: dict, executable, traced):
+  """The ``jax.stages.Compiled`` of :func:`describe`'s ``data`` and XLA's
+  ``executable`` (:func:`xla_executable`), with the avals, argument info
+  and in/out trees of ``traced`` (this run's trace of the same program, its
+  jaxpr checked against the saved one)."""
+  from jax._src import stages  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import pxla  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client as xc  # pylint: disable=g-import-not-at-top
+  backend = jax.devices()[0].client
   if runtime_effects(traced.jaxpr):
     raise ValueError("the program has effects")
   devices = {d.id: d for d in backend.devices()}
   closed = traced.jaxpr
   kept = sorted(int(i) for i in data["kept_var_idx"])
   in_avals = [closed.in_avals[i] for i in kept]
-  executable = backend.deserialize_executable(
-      payload, executable_devices=xc.DeviceList(tuple(backend.devices())))
   unloaded = pxla.UnloadedMeshExecutable(
       xla_executable=executable,
       device_list=xc.DeviceList(tuple(devices[i] for i in data["devices"])),
@@ -327,13 +339,31 @@ def rebuild(data: dict, payload: bytes, traced):
                          no_kwargs=bool(data["no_kwargs"]))
 
 
-def deserialize(saved: Saved, traced) -> tuple[FirstCall, dict] | None:
-  """``(loaded program, info saved with it)`` of ``saved`` (:func:`read`),
-  rebuilt with ``traced``, whose jaxpr's digest the caller has checked
-  against ``saved.jaxpr``; None, with one log line, where it does not load
-  (the file is left for the compiled program to replace)."""
+def prepare(saved: Saved) -> Saved | None:
+  """``saved`` with XLA's executable deserialized from its bytes: XLA's
+  work, outside the GIL, so a thread does it while the program is traced
+  (a large step takes seconds either way); None, with one log line, where
+  the bytes do not deserialize (the file is left for the compiled program
+  to replace)."""
   try:
-    compiled = rebuild(saved.header["executable"], saved.payload, traced)
+    executable = xla_executable(saved.header["executable"], saved.payload)
+  except Exception as e:  # pylint: disable=broad-except  # any failure: compile instead
+    _did_not_load(saved.path, e)
+    return None
+  return dataclasses.replace(saved, payload=b"", executable=executable)
+
+
+def deserialize(saved: Saved, traced) -> tuple[FirstCall, dict] | None:
+  """``(loaded program, info saved with it)`` of ``saved`` (:func:`read`,
+  and :func:`prepare` where it ran), rebuilt with ``traced``, whose jaxpr's
+  digest the caller has checked against ``saved.jaxpr``; None, with one log
+  line, where it does not load (the file is left for the compiled program
+  to replace)."""
+  try:
+    executable = saved.executable
+    if executable is None:
+      executable = xla_executable(saved.header["executable"], saved.payload)
+    compiled = rebuild(saved.header["executable"], executable, traced)
   except Exception as e:  # pylint: disable=broad-except  # any failure: compile instead
     _did_not_load(saved.path, e)
     return None

@@ -20,11 +20,13 @@ chosen, the program's name, and what changes what XLA builds from the same
 program: the flag variables XLA reads (``XLA_FLAG_VARIABLES``) and the JAX
 options that reach lowering and compiling (``LOWERING_OPTIONS``). Inside
 the file is the digest of the traced program's jaxpr and of the options
-its jit passes to XLA (:func:`jaxpr_digest`); the saved executable is
-deserialized only where this run's trace has the same digest (tracing
-takes seconds; it is lowering and compiling that a match skips), so what
-the name misses (code outside darl_jax, a library changed under the same
-version) recompiles, and the new program replaces the file.
+its jit passes to XLA (:func:`jaxpr_digest`); the saved executable
+becomes this run's program only where this run's trace has the same
+digest (tracing takes seconds; it is lowering and compiling that a match
+skips), so what the name misses (code outside darl_jax, a library changed
+under the same version) recompiles, and the new program replaces the
+file. XLA deserializes the file's bytes beside the trace (outside the
+GIL), so a warm start waits for the longer of the two, not their sum.
 
 A saved file holds machine code for the device (its format:
 train/executable_file.py), so the folder must be the user's own: a folder
@@ -255,6 +257,7 @@ Saved = executable_file.Saved
 FirstCall = executable_file.FirstCall
 SavedProgramFailed = executable_file.SavedProgramFailed
 deserialize = executable_file.deserialize
+prepare = executable_file.prepare
 
 
 def read(path: Path) -> Saved | None:
