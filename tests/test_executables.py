@@ -470,7 +470,7 @@ traced = f.trace(*args)
 compiled = traced.lower().compile()
 path = pathlib.Path(sys.argv[1]) / "sharded.bin"
 assert executables.save(path, compiled, {executables.JAXPR_KEY: "j"})
-saved = executables.read(path)
+saved = executables.prepare(executables.read(path))
 loaded, info = executables.deserialize(saved, f.trace(*args))
 a, b = compiled._executable._unloaded_executable, loaded._executable._unloaded_executable
 for field in dataclasses.fields(a):

@@ -567,7 +567,8 @@ def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
     if results is None:
       missing.append(run.name)
       continue
-    stages = run.stages[len(run.stages) - len(results):]
+    cut = len(run.stages) - len(results)      # the stages before it: unrecorded
+    stages = run.stages[cut:]
     metrics = {}
     for stage, result in zip(stages, results):
       metrics.update({f"{stage.kind}/{k}": v for k, v in derived(result["metrics"]).items()})
@@ -576,7 +577,7 @@ def records(runner: Runner, study: S.Study) -> tuple[list[dict], list[str]]:
     chosen = choice(run.stages[-1], results[-1]["metrics"])
     if chosen is not None:
       record["choice"] = chosen
-    unrecorded = [s.id for s in run.stages[:len(run.stages) - len(results)]]
+    unrecorded = [s.id for s in run.stages[:cut]]
     if unrecorded:
       record["unrecorded"] = unrecorded
     superseded = [f"{r['id']}@{r['finished']}" for s, r in zip(stages, results)

@@ -355,15 +355,14 @@ def prepare(saved: Saved) -> Saved | None:
 
 def deserialize(saved: Saved, traced) -> tuple[FirstCall, dict] | None:
   """``(loaded program, info saved with it)`` of ``saved`` (:func:`read`,
-  and :func:`prepare` where it ran), rebuilt with ``traced``, whose jaxpr's
-  digest the caller has checked against ``saved.jaxpr``; None, with one log
-  line, where it does not load (the file is left for the compiled program
-  to replace)."""
+  then :func:`prepare`), rebuilt with ``traced``, whose jaxpr's digest the
+  caller has checked against ``saved.jaxpr``; None, with one log line,
+  where it does not load (the file is left for the compiled program to
+  replace)."""
   try:
-    executable = saved.executable
-    if executable is None:
-      executable = xla_executable(saved.header["executable"], saved.payload)
-    compiled = rebuild(saved.header["executable"], executable, traced)
+    if saved.executable is None:
+      raise ValueError("its bytes were not deserialized (executable_file.prepare)")
+    compiled = rebuild(saved.header["executable"], saved.executable, traced)
   except Exception as e:  # pylint: disable=broad-except  # any failure: compile instead
     _did_not_load(saved.path, e)
     return None
