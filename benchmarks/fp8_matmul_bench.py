@@ -35,6 +35,7 @@ fit one device call.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -139,11 +140,12 @@ def mlp_block(dot):
   return step
 
 
-def measure(fn, *args) -> tuple[float, float]:
-  """(seconds to compile ``fn`` at ``args``, median seconds per call)."""
+def measure(fn, *args, iters: int = 10, reps: int = 7) -> tuple[float, float]:
+  """(seconds to compile ``fn`` at ``args``, median seconds per call over
+  ``reps`` timings of ``iters`` calls)."""
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
-  return time.perf_counter() - start, timed(compiled, *args)
+  return time.perf_counter() - start, timed(compiled, *args, iters=iters, reps=reps)
 
 
 def main():
@@ -156,6 +158,8 @@ def main():
                       help="comma list of the paths to time")
   parser.add_argument("--block", action=argparse.BooleanOptionalAction, default=True,
                       help="also time the MLP block")
+  parser.add_argument("--iters", type=int, default=10, help="calls per timing")
+  parser.add_argument("--reps", type=int, default=7, help="timings; the median is reported")
   args = parser.parse_args()
   width, hidden, tokens = VARIANTS[args.variant]
   m = args.batch * tokens
@@ -170,6 +174,7 @@ def main():
       parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(valid)}")
   shapes = {name: all_shapes[name] for name in chosen_shapes}
   dots = {label: dot for label, dot in every_dot.items() if label in chosen}
+  time_program = functools.partial(measure, iters=args.iters, reps=args.reps)
   key = jax.random.PRNGKey(0)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "variant": args.variant, "rows": m, "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -191,13 +196,13 @@ def main():
     flop = 2 * m * k * n
     row = results["matmul"][name] = {}
     if "fp8 raw" in chosen:
-      c, t = measure(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16),
+      c, t = time_program(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16),
                      x.astype(E4M3), w.astype(E4M3))
       report(row, "fp8 raw fwd", c, flop / t / 1e12, "TFLOP/s")
     for label, dot in dots.items():
-      c, t = measure(dot, x, w, history())
+      c, t = time_program(dot, x, w, history())
       report(row, f"{label} fwd", c, flop / t / 1e12, "TFLOP/s")
-      c, t = measure(fwd_bwd(dot), x, w, history(), dy)
+      c, t = time_program(fwd_bwd(dot), x, w, history(), dy)
       report(row, f"{label} fwd+bwd", c, 3 * flop / t / 1e12, "TFLOP/s")
   if args.block:
     print("MLP block (norm, fc1, GELU, fc2) fwd+bwd, ms:", flush=True)
@@ -205,7 +210,7 @@ def main():
     w1 = (jax.random.normal(key, (width, hidden)) / np.sqrt(width)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(key, (hidden, width)) / np.sqrt(hidden)).astype(jnp.bfloat16)
     for label, dot in dots.items():
-      c, t = measure(mlp_block(dot), x, w1, w2, history(), history(), x)
+      c, t = time_program(mlp_block(dot), x, w1, w2, history(), history(), x)
       report(results["mlp_block"], label, c, 1e3 * t, "ms")
   print(json.dumps(results))
 

@@ -39,7 +39,7 @@ def test_compile_benchmark_prints_both_forms_of_a_case():
 
 def test_fp8_matmul_bench_prints_each_measurement_as_it_lands():
   out = run("fp8_matmul_bench.py", "--variant=B/16", "--batch=1", "--shapes=proj",
-            "--paths=bf16,fp8 raw,fp8 rows,fp8 delayed", "--no-block")
+            "--paths=bf16,fp8 raw,fp8 rows,fp8 delayed", "--no-block", "--iters=1", "--reps=1")
   lines = [line.split() for line in out.splitlines() if "(compile" in line]
   assert [" ".join(l[:-5]) for l in lines] == [
       "fp8 raw fwd", "bf16 fwd", "bf16 fwd+bwd", "fp8 rows fwd", "fp8 rows fwd+bwd",
@@ -50,7 +50,7 @@ def test_fp8_matmul_bench_prints_each_measurement_as_it_lands():
   assert result["mlp_block"] == {}
   # The MLP block, its two layers each with a history of its own.
   out = run("fp8_matmul_bench.py", "--variant=B/16", "--batch=1", "--shapes=proj",
-            "--paths=fp8 delayed")
+            "--paths=fp8 delayed", "--iters=1", "--reps=1")
   assert json.loads(out.splitlines()[-1])["mlp_block"]["fp8 delayed"] > 0
   bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_matmul_bench.py"),
                         "--paths=bf16,fp8 fast"], capture_output=True, text=True, cwd=ROOT)
