@@ -315,10 +315,13 @@ def test_validation_with_histories_does_not_depend_on_the_evaluation_batch():
            "mask": np.ones(6, bool)}
   rng = jax.random.PRNGKey(5)
   with ops.using(precision="fp8"):
+    # Jitted as the evaluation step is (op by op it compiled ~700 programs).
+    evaluate = jax.jit(lambda params, model_state, part: trainer.eval_fn(
+        built.model, params, model_state, part, rng)["loss"])
+
     def losses(rows):
       part = feed_lib.model_input({k: v[rows] for k, v in batch.items()})
-      return np.asarray(trainer.eval_fn(built.model, state["params"], state["model_state"],
-                                        part, rng)["loss"])
+      return np.asarray(evaluate(state["params"], state["model_state"], part))
     whole = losses(slice(0, 6))
     np.testing.assert_allclose(losses(slice(0, 2)), whole[:2], rtol=1e-6)
     np.testing.assert_allclose(losses(slice(3, 6)), whole[3:], rtol=1e-6)
