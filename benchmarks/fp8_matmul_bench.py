@@ -197,7 +197,7 @@ def main():
     row = results["matmul"][name] = {}
     if "fp8 raw" in chosen:
       c, t = time_program(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16),
-                     x.astype(E4M3), w.astype(E4M3))
+                          x.astype(E4M3), w.astype(E4M3))
       report(row, "fp8 raw fwd", c, flop / t / 1e12, "TFLOP/s")
     for label, dot in dots.items():
       c, t = time_program(dot, x, w, history())
